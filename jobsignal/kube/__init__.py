@@ -1,0 +1,1 @@
+"""The Kubernetes side: credentials, the LIST + WATCH client, and the API emulator."""

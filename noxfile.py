@@ -1,0 +1,94 @@
+"""Developer and CI sessions: tests, lint, typecheck, and protobuf code generation.
+
+`nox` with no arguments runs what CI runs (tests, lint, typecheck, protos_check).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import tempfile
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck", "protos_check"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+PROTO_DIR = ROOT / "protos"
+GENERATED_DIR = ROOT / "jobsignal" / "_proto"
+PYTHON = "3.11"
+
+# The compiler pipes its output through ruff, so the generated text depends on
+# the exact versions of all three.
+CODEGEN_DEPS = ["betterproto2-compiler==0.10.1", "grpcio-tools==1.85.1", "ruff==0.17.6"]
+LINT_DEPS = ["ruff==0.17.6"]
+TYPECHECK_DEPS = ["mypy==2.4.1", "types-PyYAML", "nox"]
+
+
+def _generate(session: nox.Session, out_dir: Path) -> None:
+    protos = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.rglob("*.proto"))
+    session.run(
+        "python",
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{PROTO_DIR}",
+        f"--python_betterproto2_out={out_dir}",
+        "--python_betterproto2_opt=client_generation=async,google_protobuf_descriptors",
+        *protos,
+    )
+
+
+def _tree_differs(left: Path, right: Path) -> list[str]:
+    comparison = filecmp.dircmp(left, right, ignore=["__pycache__"])
+    problems = [f"only in {left}: {n}" for n in comparison.left_only]
+    problems += [f"only in {right}: {n}" for n in comparison.right_only]
+    problems += [f"differs: {n}" for n in comparison.diff_files]
+    for sub in comparison.subdirs.values():
+        problems += _tree_differs(Path(sub.left), Path(sub.right))
+    return problems
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Run the whole test suite (unit, integration over loopback, grpcio interop)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check (generated code excluded)."""
+    session.install(*LINT_DEPS)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over the package, the tests and this file."""
+    session.install("-e", ".[test]", *TYPECHECK_DEPS)
+    session.run("mypy", "--strict")
+
+
+@nox.session(python=PYTHON)
+def protos(session: nox.Session) -> None:
+    """Regenerate jobsignal/_proto from protos/ (the committed generated code)."""
+    session.install(*CODEGEN_DEPS)
+    with tempfile.TemporaryDirectory() as tmp:
+        _generate(session, Path(tmp))
+        shutil.rmtree(GENERATED_DIR, ignore_errors=True)
+        shutil.copytree(tmp, GENERATED_DIR)
+
+
+@nox.session(python=PYTHON)
+def protos_check(session: nox.Session) -> None:
+    """Fail when the committed generated code is not what `nox -s protos` produces."""
+    session.install(*CODEGEN_DEPS)
+    with tempfile.TemporaryDirectory() as tmp:
+        _generate(session, Path(tmp))
+        problems = _tree_differs(Path(tmp), GENERATED_DIR)
+    if problems:
+        session.error("generated code is stale, run `nox -s protos`: " + "; ".join(problems))
