@@ -1,0 +1,149 @@
+"""Broadcaster: turns job events into encoded messages and fans them out.
+
+`publish()` is synchronous and never waits: it encodes each event once per
+message type, records it as the job's latest state (for snapshots), and
+pushes the same bytes into every subscriber's queue. Subscribing and taking
+the snapshot happen in one synchronous step, so no event can fall between the
+snapshot and the live stream.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import trio
+
+from jobsignal.fanout.encoding import encode_signal, encode_signal_list
+from jobsignal.fanout.subscriber import EndReason, StreamKind, Subscriber
+from jobsignal.store.model import JobKey, JobSummary
+
+# DESIGN.md 2: a snapshot batch carries rank tables of at most this many NPUs.
+DEFAULT_BATCH_NPUS = 40_000
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedJob:
+    """The latest event of a live job: its state, uuid and encoded signal."""
+
+    job: JobSummary
+    uuid: str
+    signal: bytes
+
+
+class Broadcaster:
+    def __init__(
+        self,
+        *,
+        max_pending: int = 1024,
+        max_pending_bytes: int = 64 * 1024 * 1024,
+        batch_npus: int = DEFAULT_BATCH_NPUS,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
+        self._batch_npus = batch_npus
+        self._wall_clock = wall_clock
+        self._latest: dict[JobKey, EncodedJob] = {}
+        self._subscribers: set[Subscriber] = set()
+        self.ready = trio.Event()
+        self.events_published = 0
+        self.messages_queued = 0
+
+    # -- state -------------------------------------------------------------
+
+    @property
+    def subscribers(self) -> frozenset[Subscriber]:
+        return frozenset(self._subscribers)
+
+    def job_count(self) -> int:
+        return len(self._latest)
+
+    def latest(self) -> list[EncodedJob]:
+        return list(self._latest.values())
+
+    def mark_ready(self) -> None:
+        """The job store holds the cluster's state (first LIST applied)."""
+        self.ready.set()
+
+    # -- events ------------------------------------------------------------
+
+    def publish(self, jobs: Iterable[JobSummary]) -> None:
+        for job in jobs:
+            event_uuid = str(uuid.uuid4())
+            signal = encode_signal(job, event_uuid)
+            if job.is_deleted:
+                self._latest.pop(job.key, None)
+            else:
+                self._latest[job.key] = EncodedJob(job, event_uuid, signal)
+            as_list: bytes | None = None
+            for subscriber in self._subscribers:
+                if subscriber.kind is StreamKind.SIGNAL:
+                    subscriber.push(job.key, signal)
+                else:
+                    if as_list is None:
+                        as_list = encode_signal_list([signal], self._now_ms(), len(self._latest))
+                    subscriber.push(job.key, as_list)
+                self.messages_queued += 1
+            self.events_published += 1
+
+    # -- subscriptions -----------------------------------------------------
+
+    def subscribe(
+        self, kind: StreamKind, role: str, client_id: str, *, snapshot: bool
+    ) -> Subscriber:
+        """A new subscriber, its queue primed with the snapshot it is owed."""
+        subscriber = Subscriber(
+            kind,
+            role,
+            client_id,
+            max_pending=self._max_pending,
+            max_pending_bytes=self._max_pending_bytes,
+        )
+        if kind is StreamKind.LIST:
+            for batch in self.snapshot_batches():
+                subscriber.push_unique(batch)
+        elif snapshot:
+            for entry in self._latest.values():
+                subscriber.push(entry.job.key, entry.signal)
+        self._subscribers.add(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        self._subscribers.discard(subscriber)
+
+    def end_all(self, reason: EndReason) -> None:
+        for subscriber in list(self._subscribers):
+            subscriber.end(reason)
+
+    def snapshot_batches(self) -> Iterator[bytes]:
+        """The current state as JobSummarySignalList batches (DESIGN.md section 2).
+
+        Every batch carries the same ReportTime and JobTotalNum. Jobs are packed
+        while their rank tables total at most `batch_npus` NPUs; a job larger
+        than that goes alone, with an empty HcclJson.
+        """
+        report_time = self._now_ms()
+        total = len(self._latest)
+        batch: list[bytes] = []
+        batch_npus = 0
+        for entry in self._latest.values():
+            npus = entry.job.npu_count
+            if npus > self._batch_npus:
+                stripped = encode_signal(entry.job, entry.uuid, strip_rank_table=True)
+                yield encode_signal_list([stripped], report_time, total)
+                continue
+            if batch and batch_npus + npus > self._batch_npus:
+                yield encode_signal_list(batch, report_time, total)
+                batch, batch_npus = [], 0
+            batch.append(entry.signal)
+            batch_npus += npus
+        if batch or total == 0:
+            # An empty cluster still answers with one (empty) batch so the
+            # client learns JobTotalNum = 0 and the ReportTime of the state.
+            yield encode_signal_list(batch, report_time, total)
+
+    def _now_ms(self) -> int:
+        return int(self._wall_clock() * 1000)

@@ -1,0 +1,137 @@
+"""One subscriber's bounded, coalescing queue of encoded messages.
+
+The broadcaster pushes without ever waiting; the subscriber's stream task
+drains in batches. When a client falls behind, queued messages of the same job
+are coalesced (every message carries the whole state of its job, so the newest
+one is enough). A client still too far behind after coalescing is ended with
+`EndReason.SLOW` and its queue dropped at once, so one stuck client can never
+hold memory or delay anyone else.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Hashable
+
+import trio
+
+
+class StreamKind(enum.Enum):
+    SIGNAL = "SubscribeJobSummarySignal"
+    LIST = "SubscribeJobSummarySignalList"
+
+
+class EndReason(enum.Enum):
+    """Why the server ended a subscription (the gRPC layer turns it into a status)."""
+
+    IDLE = "idle"
+    SLOW = "slow"
+    REPLACED = "replaced"
+    SHUTDOWN = "shutdown"
+
+
+# Snapshot batches are never coalesced: each carries different jobs.
+_UNIQUE: Hashable = None
+
+
+class Subscriber:
+    __slots__ = (
+        "_cancel_scope",
+        "_max_pending",
+        "_max_pending_bytes",
+        "_pending",
+        "_pending_bytes",
+        "_wakeup",
+        "client_id",
+        "coalesced",
+        "end_reason",
+        "kind",
+        "role",
+    )
+
+    def __init__(
+        self,
+        kind: StreamKind,
+        role: str,
+        client_id: str,
+        *,
+        max_pending: int,
+        max_pending_bytes: int,
+    ) -> None:
+        self.kind = kind
+        self.role = role
+        self.client_id = client_id
+        self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
+        self._pending: deque[tuple[Hashable, bytes]] = deque()
+        self._pending_bytes = 0
+        self._wakeup = trio.Event()
+        self._cancel_scope: trio.CancelScope | None = None
+        self.end_reason: EndReason | None = None
+        self.coalesced = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def push(self, key: Hashable, frame: bytes) -> None:
+        """Queue one encoded message; `key` names the job it describes."""
+        if self.end_reason is not None:
+            return
+        self._pending.append((key, frame))
+        self._pending_bytes += len(frame)
+        if len(self._pending) > self._max_pending or self._pending_bytes > self._max_pending_bytes:
+            self._coalesce()
+            if len(self._pending) > self._max_pending or (
+                self._pending_bytes > self._max_pending_bytes and len(self._pending) > 1
+            ):
+                self.end(EndReason.SLOW)
+                return
+        self._wakeup.set()
+
+    def push_unique(self, frame: bytes) -> None:
+        """Queue a message that must not be coalesced (a snapshot batch)."""
+        self.push(_UNIQUE, frame)
+
+    def _coalesce(self) -> None:
+        newest: dict[Hashable, int] = {}
+        for position, (key, _) in enumerate(self._pending):
+            if key is not _UNIQUE:
+                newest[key] = position
+        kept: deque[tuple[Hashable, bytes]] = deque()
+        for position, (key, frame) in enumerate(self._pending):
+            if key is _UNIQUE or newest[key] == position:
+                kept.append((key, frame))
+        self.coalesced += len(self._pending) - len(kept)
+        self._pending = kept
+        self._pending_bytes = sum(len(frame) for _, frame in kept)
+
+    async def next_batch(self, max_frames: int) -> list[bytes]:
+        """Wait for at least one message; return up to `max_frames` in order."""
+        while not self._pending:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+        count = min(max_frames, len(self._pending))
+        batch = [self._pending.popleft()[1] for _ in range(count)]
+        self._pending_bytes -= sum(len(frame) for frame in batch)
+        return batch
+
+    def attach(self, cancel_scope: trio.CancelScope) -> None:
+        """The stream task's scope: `end()` cancels it."""
+        self._cancel_scope = cancel_scope
+        if self.end_reason is not None:
+            cancel_scope.cancel()
+
+    def end(self, reason: EndReason) -> None:
+        """End this subscription (first reason wins) and free its queue now."""
+        if self.end_reason is None:
+            self.end_reason = reason
+        self._pending.clear()
+        self._pending_bytes = 0
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()

@@ -1,0 +1,147 @@
+"""Run the gRPC server: grpclib on trio-asyncio's loop, job.Job + health + reflection.
+
+`run_grpc_server` is a trio task for `nursery.start`: it reports the bound
+address once the port accepts connections, serves until `shutdown` is set,
+then stops in the order DESIGN.md section 8 requires: end every live stream
+with UNAVAILABLE "server shutting down", give them the grace period to
+flush, close the server, then close any connection still open.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import trio
+import trio_asyncio
+from google.protobuf import descriptor_pool
+from grpclib.config import Configuration
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import Health
+from grpclib.reflection.service import ServerReflection
+
+from jobsignal._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
+from jobsignal.fanout import Broadcaster, EndReason
+from jobsignal.rpc.activity import PingPolicy
+from jobsignal.rpc.codec import PassthroughCodec
+from jobsignal.rpc.connections import ConnectionTable, JobsignalServer
+from jobsignal.rpc.reflection import ChainedPool
+from jobsignal.rpc.registry import Registry
+from jobsignal.rpc.service import JobService
+from jobsignal.rpc.session import SessionSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "0.0.0.0"
+    port: int = 8899
+    session: SessionSettings = field(default_factory=SessionSettings)
+    ping_policy: PingPolicy = field(default_factory=PingPolicy)
+    keepalive_time: float = 60.0
+    keepalive_timeout: float = 5.0
+    shutdown_grace: float = 5.0
+    max_request_bytes: int = 4 * 1024 * 1024
+    # grpclib's default of 100 starves handshakes when many clients connect at once.
+    backlog: int = 4096
+
+
+@dataclass
+class RunningServer:
+    """What `run_grpc_server` reports to `nursery.start` once it listens."""
+
+    host: str
+    port: int
+    connections: ConnectionTable
+    registry: Registry
+
+
+def _grpclib_config(settings: ServerSettings) -> Configuration:
+    # Server pings find dead peers (DESIGN.md 6); keep pinging quiet
+    # connections, since a quiet subscription is exactly what must be checked.
+    return Configuration(
+        _keepalive_time=settings.keepalive_time,
+        _keepalive_timeout=settings.keepalive_timeout,
+        _keepalive_permit_without_calls=True,
+        _http2_max_pings_without_data=0,
+        _http2_min_sent_ping_interval_without_data=settings.keepalive_time / 2,
+    )
+
+
+async def _watch_readiness(broadcaster: Broadcaster, checks: list[ServiceStatus]) -> None:
+    for check in checks:
+        check.set(False)
+    await broadcaster.ready.wait()
+    for check in checks:
+        check.set(True)
+    log.info("ready: job store loaded, health SERVING")
+
+
+async def run_grpc_server(
+    settings: ServerSettings,
+    broadcaster: Broadcaster,
+    registry: Registry,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    connections = ConnectionTable(settings.ping_policy)
+    service = JobService(
+        registry=registry,
+        broadcaster=broadcaster,
+        settings=settings.session,
+        connections=connections,
+    )
+    job_health = ServiceStatus()
+    services = [service, Health({service: [job_health]})]
+    pool = ChainedPool([default_google_proto_descriptor_pool, descriptor_pool.Default()])
+    services = ServerReflection.extend(services, pool=pool)
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        server = JobsignalServer(
+            services,
+            codec=PassthroughCodec(settings.max_request_bytes),
+            config=_grpclib_config(settings),
+            connections=connections,
+        )
+        await trio_asyncio.aio_as_trio(server.start)(
+            settings.host,
+            settings.port,
+            backlog=settings.backlog,
+            reuse_address=True,
+            family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
+        )
+        assert server._server is not None
+        bound = server._server.sockets[0].getsockname()
+        nursery.start_soon(_watch_readiness, broadcaster, [job_health])
+        log.info("gRPC listening on %s:%d (plain text)", bound[0], bound[1])
+        task_status.started(RunningServer(bound[0], bound[1], connections, registry))
+        try:
+            await shutdown.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                await _stop(server, broadcaster, connections, settings.shutdown_grace)
+            nursery.cancel_scope.cancel()
+
+
+async def _stop(
+    server: JobsignalServer,
+    broadcaster: Broadcaster,
+    connections: ConnectionTable,
+    grace: float,
+) -> None:
+    log.info("shutting down: ending %d streams", len(broadcaster.subscribers))
+    assert server._server is not None
+    server._server.close()  # stop accepting; live connections stay for the trailers
+    broadcaster.end_all(EndReason.SHUTDOWN)
+    with trio.move_on_after(grace):
+        while broadcaster.subscribers:
+            await trio.sleep(0.01)
+        # Let the handlers write their trailers before connections go.
+        await trio.sleep(0)
+    server.close()
+    connections.close_all()
+    with trio.move_on_after(grace):
+        await trio_asyncio.aio_as_trio(server.wait_closed)()
+    log.info("gRPC server stopped")

@@ -1,0 +1,124 @@
+"""The job.Job service: grpclib handlers, the only asyncio code on the request path.
+
+Register is bookkeeping and answers directly. Each Subscribe* stream crosses
+into trio once (`trio_as_aio(serve_subscription)`), and the trio task crosses
+back once per batch of pre-encoded messages to write them. How the stream
+ended comes back as a value, and the trailers are sent here, outside any trio
+nursery, so the client sees the intended status.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import grpclib.const
+import grpclib.server
+import trio
+import trio_asyncio
+
+from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
+from jobsignal.fanout import Broadcaster, StreamKind
+from jobsignal.rpc.connections import ConnectionTable
+from jobsignal.rpc.registry import Refused, Registry, RegistryFull
+from jobsignal.rpc.session import SessionSettings, serve_subscription
+
+log = logging.getLogger(__name__)
+
+Stream = grpclib.server.Stream[Any, Any]
+
+REGISTERED = 200
+TOO_MANY_CLIENTS = 429
+
+
+async def _write_frames(stream: Stream, frames: list[bytes]) -> None:
+    for frame in frames:
+        await stream.send_message(frame)
+
+
+class JobService:
+    """Serves `/job.Job/*` from a registry and a broadcaster."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        broadcaster: Broadcaster,
+        settings: SessionSettings,
+        connections: ConnectionTable,
+    ) -> None:
+        self.registry = registry
+        self.broadcaster = broadcaster
+        self.settings = settings
+        self.connections = connections
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        unary = grpclib.const.Cardinality.UNARY_UNARY
+        streaming = grpclib.const.Cardinality.UNARY_STREAM
+        return {
+            "/job.Job/Register": grpclib.const.Handler(self.register, unary, ClientInfo, Status),
+            "/job.Job/SubscribeJobSummarySignal": grpclib.const.Handler(
+                functools.partial(self.subscribe, StreamKind.SIGNAL),
+                streaming,
+                ClientInfo,
+                JobSummarySignal,
+            ),
+            "/job.Job/SubscribeJobSummarySignalList": grpclib.const.Handler(
+                functools.partial(self.subscribe, StreamKind.LIST),
+                streaming,
+                ClientInfo,
+                JobSummarySignalList,
+            ),
+        }
+
+    async def register(self, stream: Stream) -> None:
+        request: ClientInfo | None = await stream.recv_message()
+        assert request is not None  # grpclib guarantees one message for unary requests
+        try:
+            client_id = self.registry.register(request.role, trio.current_time())
+        except Refused as refusal:
+            log.info("register refused: %s (peer %s)", refusal.message, _peer(stream))
+            await stream.send_trailing_metadata(
+                status=refusal.status, status_message=refusal.message
+            )
+            return
+        except RegistryFull:
+            limit = self.registry.max_registrations
+            await stream.send_message(
+                Status(
+                    code=TOO_MANY_CLIENTS,
+                    info=f"too many registered clients (limit {limit}); retry later",
+                )
+            )
+            return
+        await stream.send_message(
+            Status(code=REGISTERED, info="registration successful", client_id=client_id)
+        )
+
+    async def subscribe(self, kind: StreamKind, stream: Stream) -> None:
+        request: ClientInfo | None = await stream.recv_message()
+        assert request is not None
+        activity = self.connections.activity_of(stream)
+        send_frames = functools.partial(trio_asyncio.aio_as_trio(_write_frames), stream)
+        end = await trio_asyncio.trio_as_aio(
+            functools.partial(
+                serve_subscription,
+                kind=kind,
+                role=request.role,
+                client_id=request.client_id,
+                registry=self.registry,
+                broadcaster=self.broadcaster,
+                settings=self.settings,
+                activity=activity,
+                send_frames=send_frames,
+            )
+        )()
+        await stream.send_trailing_metadata(status=end.status, status_message=end.message)
+        if end.close_connection_if_unused:
+            self.connections.close_if_unused(stream)
+
+
+def _peer(stream: Stream) -> str:
+    address = stream.peer.addr()
+    return f"{address[0]}:{address[1]}" if address else "unknown"

@@ -1,0 +1,145 @@
+"""One subscription stream, as a trio task: the idle rule and the send loop.
+
+The stream runs inside a cancel scope whose deadline is the idle deadline:
+every batch written to the client and every heartbeat on its connection pushes
+it `idle_timeout` seconds into the future, so expiry needs no timer task and
+is exact in virtual time. Other ways a stream ends (replaced, too slow, server
+shutdown) cancel the subscriber's scope and leave their reason on it. The
+function returns how the stream ended instead of raising a gRPC error, so the
+status is decided outside any nursery (DESIGN.md section 8).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+from grpclib.const import Status
+
+from jobsignal.fanout import Broadcaster, EndReason, StreamKind
+from jobsignal.rpc.activity import ConnectionActivity
+from jobsignal.rpc.registry import Refused, Registry
+
+log = logging.getLogger(__name__)
+
+# Messages written per trio->asyncio hop: large enough to amortise the hop,
+# small enough that one batch never hogs the loop.
+MAX_BATCH = 256
+
+SendFrames = Callable[[list[bytes]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    idle_timeout: float = 120.0
+    send_timeout: float = 60.0
+    snapshot_roles: frozenset[str] = frozenset({"FdAgent"})
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """How a stream ended: the gRPC status and message the client receives."""
+
+    status: Status
+    message: str | None = None
+    reason: str = "ok"
+
+    @property
+    def close_connection_if_unused(self) -> bool:
+        return self.reason == EndReason.IDLE.value
+
+
+def end_for(reason: EndReason, settings: SessionSettings, pending: int = 0) -> StreamEnd:
+    if reason is EndReason.IDLE:
+        seconds = f"{settings.idle_timeout:g}"
+        return StreamEnd(
+            Status.UNAVAILABLE,
+            f"idle for {seconds}s without messages or heartbeats; enable gRPC keepalive"
+            " (for example every 30s) to keep a quiet subscription open",
+            reason.value,
+        )
+    if reason is EndReason.SLOW:
+        return StreamEnd(
+            Status.RESOURCE_EXHAUSTED,
+            "client fell too far behind the job events and was disconnected; read the"
+            " stream promptly, then register and subscribe again",
+            reason.value,
+        )
+    if reason is EndReason.REPLACED:
+        return StreamEnd(
+            Status.ABORTED,
+            "replaced by a newer subscription with the same clientId",
+            reason.value,
+        )
+    return StreamEnd(Status.UNAVAILABLE, "server shutting down", reason.value)
+
+
+class IdleDeadline:
+    """The idle rule's cancel scope; `touch()` records activity."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.scope = trio.CancelScope(deadline=trio.current_time() + timeout)
+
+    def touch(self) -> None:
+        self.scope.deadline = trio.current_time() + self.timeout
+
+
+async def serve_subscription(
+    *,
+    kind: StreamKind,
+    role: str,
+    client_id: str,
+    registry: Registry,
+    broadcaster: Broadcaster,
+    settings: SessionSettings,
+    activity: ConnectionActivity,
+    send_frames: SendFrames,
+) -> StreamEnd:
+    """Serve one Subscribe* stream until it ends; return the status to send."""
+    try:
+        claim, replaced = registry.claim(client_id, role, trio.current_time())
+    except Refused as refusal:
+        log.info("subscribe refused: %s (role %r, peer %s)", refusal.message, role, activity.peer)
+        return StreamEnd(refusal.status, refusal.message, "refused")
+    if replaced is not None:
+        for other in broadcaster.subscribers:
+            if other.client_id == client_id:
+                other.end(EndReason.REPLACED)
+    subscriber = broadcaster.subscribe(kind, role, client_id, snapshot=role in settings.snapshot_roles)
+    idle = IdleDeadline(settings.idle_timeout)
+    activity.heartbeat_listeners.add(idle.touch)
+    log.info("client subscribed: %s role=%s id=%s peer=%s", kind.value, role, client_id, activity.peer)
+    try:
+        with trio.CancelScope() as ended:
+            subscriber.attach(ended)
+            with idle.scope:
+                while True:
+                    frames = await subscriber.next_batch(MAX_BATCH)
+                    with trio.move_on_after(settings.send_timeout) as send_scope:
+                        await send_frames(frames)
+                    if send_scope.cancelled_caught:
+                        subscriber.end(EndReason.SLOW)
+                    activity.note_sent()
+                    idle.touch()
+            if idle.scope.cancelled_caught:
+                subscriber.end(EndReason.IDLE)
+        assert subscriber.end_reason is not None
+        return end_for(subscriber.end_reason, settings)
+    finally:
+        # Reached on every path, including the client going away (cancellation).
+        reason = subscriber.end_reason.value if subscriber.end_reason else "client_gone"
+        activity.heartbeat_listeners.discard(idle.touch)
+        broadcaster.unsubscribe(subscriber)
+        registry.release(claim)
+        subscriber.end(subscriber.end_reason or EndReason.SHUTDOWN)
+        log.info(
+            "client subscription ended: %s role=%s id=%s peer=%s reason=%s",
+            kind.value,
+            role,
+            client_id,
+            activity.peer,
+            reason,
+        )
