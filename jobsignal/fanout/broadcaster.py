@@ -48,7 +48,8 @@ class Broadcaster:
         self._wall_clock = wall_clock
         self._latest: dict[JobKey, EncodedJob] = {}
         self._subscribers: set[Subscriber] = set()
-        self.ready = trio.Event()
+        self._no_subscribers = trio.Event()
+        self._no_subscribers.set()
         self.events_published = 0
         self.messages_queued = 0
 
@@ -63,10 +64,6 @@ class Broadcaster:
 
     def latest(self) -> list[EncodedJob]:
         return list(self._latest.values())
-
-    def mark_ready(self) -> None:
-        """The job store holds the cluster's state (first LIST applied)."""
-        self.ready.set()
 
     # -- events ------------------------------------------------------------
 
@@ -109,10 +106,17 @@ class Broadcaster:
             for entry in self._latest.values():
                 subscriber.push(entry.job.key, entry.signal)
         self._subscribers.add(subscriber)
+        if self._no_subscribers.is_set():
+            self._no_subscribers = trio.Event()
         return subscriber
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self._subscribers.discard(subscriber)
+        if not self._subscribers:
+            self._no_subscribers.set()
+
+    async def wait_no_subscribers(self) -> None:
+        await self._no_subscribers.wait()
 
     def end_all(self, reason: EndReason) -> None:
         for subscriber in list(self._subscribers):

@@ -21,7 +21,9 @@ _TAG_REPORT_TIME = b"\x12"  # field 2, length-delimited
 _TAG_TOTAL = b"\x18"  # field 3, varint
 
 
-def signal_message(job: JobSummary, uuid: str, *, strip_rank_table: bool = False) -> JobSummarySignal:
+def signal_message(
+    job: JobSummary, uuid: str, *, strip_rank_table: bool = False
+) -> JobSummarySignal:
     return JobSummarySignal(
         uuid=uuid,
         job_id=job.job_id,

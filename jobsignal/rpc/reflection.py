@@ -24,17 +24,17 @@ class ChainedPool:
                 error = missing
         raise error or KeyError(args)
 
-    def FindFileByName(self, name: str) -> Any:  # noqa: N802 (protobuf's pool API)
+    def FindFileByName(self, name: str) -> Any:
         return self._first("FindFileByName", name)
 
-    def FindFileContainingSymbol(self, symbol: str) -> Any:  # noqa: N802
+    def FindFileContainingSymbol(self, symbol: str) -> Any:
         return self._first("FindFileContainingSymbol", symbol)
 
-    def FindMessageTypeByName(self, name: str) -> Any:  # noqa: N802
+    def FindMessageTypeByName(self, name: str) -> Any:
         return self._first("FindMessageTypeByName", name)
 
-    def FindExtensionByNumber(self, message: Any, number: int) -> Any:  # noqa: N802
+    def FindExtensionByNumber(self, message: Any, number: int) -> Any:
         return self._first("FindExtensionByNumber", message, number)
 
-    def FindAllExtensions(self, message: Any) -> Any:  # noqa: N802
+    def FindAllExtensions(self, message: Any) -> Any:
         return self._first("FindAllExtensions", message)

@@ -9,16 +9,19 @@ flush, close the server, then close any connection still open.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
+import trio.lowlevel
 import trio_asyncio
 from google.protobuf import descriptor_pool
 from grpclib.config import Configuration
 from grpclib.health.check import ServiceStatus
-from grpclib.health.service import Health
+from grpclib.health.service import OVERALL, Health
 from grpclib.reflection.service import ServerReflection
 
 from jobsignal._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
@@ -30,6 +33,7 @@ from jobsignal.rpc.reflection import ChainedPool
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
 from jobsignal.rpc.session import SessionSettings
+from jobsignal.status import SourceStatus
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ class RunningServer:
     port: int
     connections: ConnectionTable
     registry: Registry
+    stopped: trio.Event
 
 
 def _grpclib_config(settings: ServerSettings) -> Configuration:
@@ -70,19 +75,37 @@ def _grpclib_config(settings: ServerSettings) -> Configuration:
     )
 
 
-async def _watch_readiness(broadcaster: Broadcaster, checks: list[ServiceStatus]) -> None:
-    for check in checks:
-        check.set(False)
-    await broadcaster.ready.wait()
-    for check in checks:
-        check.set(True)
+class _HealthName:
+    """Names a health entry that is not a served gRPC service."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __mapping__(self) -> dict[str, None]:
+        return {f"/{self._name}/Status": None}
+
+
+SOURCE_HEALTH_NAME = "jobsignal.KubernetesSync"
+
+
+async def _track_health(status: SourceStatus, ready: ServiceStatus, synced: ServiceStatus) -> None:
+    """Overall and job.Job: SERVING once the first LIST is loaded; the source entry
+    additionally turns NOT_SERVING while the Kubernetes API is out of reach."""
+    ready.set(False)
+    synced.set(False)
+    await status.ready.wait()
+    ready.set(True)
     log.info("ready: job store loaded, health SERVING")
+    while True:
+        synced.set(status.in_sync)
+        await status.wait_changed()
 
 
 async def run_grpc_server(
     settings: ServerSettings,
     broadcaster: Broadcaster,
     registry: Registry,
+    status: SourceStatus,
     shutdown: trio.Event,
     *,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
@@ -94,8 +117,15 @@ async def run_grpc_server(
         settings=settings.session,
         connections=connections,
     )
-    job_health = ServiceStatus()
-    services = [service, Health({service: [job_health]})]
+    ready_health, source_health = ServiceStatus(), ServiceStatus()
+    health = Health(
+        {
+            OVERALL: [ready_health],
+            service: [ready_health],
+            _HealthName(SOURCE_HEALTH_NAME): [source_health],
+        }
+    )
+    services: list[Any] = [service, health]
     pool = ChainedPool([default_google_proto_descriptor_pool, descriptor_pool.Default()])
     services = ServerReflection.extend(services, pool=pool)
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
@@ -112,17 +142,20 @@ async def run_grpc_server(
             reuse_address=True,
             family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
         )
-        assert server._server is not None
-        bound = server._server.sockets[0].getsockname()
-        nursery.start_soon(_watch_readiness, broadcaster, [job_health])
+        listener = server._server
+        assert isinstance(listener, asyncio.Server)
+        bound = listener.sockets[0].getsockname()
+        nursery.start_soon(_track_health, status, ready_health, source_health)
         log.info("gRPC listening on %s:%d (plain text)", bound[0], bound[1])
-        task_status.started(RunningServer(bound[0], bound[1], connections, registry))
+        running = RunningServer(bound[0], bound[1], connections, registry, trio.Event())
+        task_status.started(running)
         try:
             await shutdown.wait()
         finally:
             with trio.CancelScope(shield=True):
                 await _stop(server, broadcaster, connections, settings.shutdown_grace)
             nursery.cancel_scope.cancel()
+            running.stopped.set()
 
 
 async def _stop(
@@ -136,10 +169,9 @@ async def _stop(
     server._server.close()  # stop accepting; live connections stay for the trailers
     broadcaster.end_all(EndReason.SHUTDOWN)
     with trio.move_on_after(grace):
-        while broadcaster.subscribers:
-            await trio.sleep(0.01)
+        await broadcaster.wait_no_subscribers()
         # Let the handlers write their trailers before connections go.
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
     server.close()
     connections.close_all()
     with trio.move_on_after(grace):

@@ -108,10 +108,14 @@ async def serve_subscription(
         for other in broadcaster.subscribers:
             if other.client_id == client_id:
                 other.end(EndReason.REPLACED)
-    subscriber = broadcaster.subscribe(kind, role, client_id, snapshot=role in settings.snapshot_roles)
+    subscriber = broadcaster.subscribe(
+        kind, role, client_id, snapshot=role in settings.snapshot_roles
+    )
     idle = IdleDeadline(settings.idle_timeout)
     activity.heartbeat_listeners.add(idle.touch)
-    log.info("client subscribed: %s role=%s id=%s peer=%s", kind.value, role, client_id, activity.peer)
+    log.info(
+        "client subscribed: %s role=%s id=%s peer=%s", kind.value, role, client_id, activity.peer
+    )
     try:
         with trio.CancelScope() as ended:
             subscriber.attach(ended)

@@ -90,14 +90,22 @@ class JobStore:
         self._recompute(lost | {new_key}, now, changes, lost=lost)
         return changes
 
-    def replace_all(self, configmaps: Iterable[Mapping[str, Any]], now: float) -> Changes:
-        """Make the store hold exactly `configmaps` (a fresh LIST); emit the differences."""
+    def replace_all(
+        self, configmaps: Iterable[Mapping[str, Any]], now: float, namespace: str | None = None
+    ) -> Changes:
+        """Make the store hold exactly `configmaps` (a fresh LIST); emit the differences.
+
+        With `namespace`, only that namespace's ConfigMaps are replaced (one
+        LIST per watched namespace); listed objects from elsewhere are ignored.
+        """
         changes = Changes()
         fresh: dict[ConfigMapRef, Slice] = {}
         listed: set[ConfigMapRef] = set()
         for configmap in configmaps:
             try:
                 ref = configmap_ref(configmap)
+                if namespace is not None and ref.namespace != namespace:
+                    continue
                 listed.add(ref)
                 fresh[ref] = parse_slice(configmap)
             except BadConfigMap as error:
@@ -109,6 +117,8 @@ class JobStore:
         lost: set[JobKey] = set()
         affected: set[JobKey] = set()
         for ref, old in list(self._slices.items()):
+            if namespace is not None and ref.namespace != namespace:
+                continue
             new = fresh.get(ref)
             if new == old:
                 continue

@@ -1,0 +1,254 @@
+"""Settings of `jobsignal serve`: one table gives each its flag, env var, default and check.
+
+Precedence: command-line flag, then environment variable, then default. A bad
+value raises `ConfigError` with one line naming the setting, where it came
+from and what is accepted; the CLI prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(Exception):
+    """A setting has a bad value; the message is one line for the user."""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    for name in names:
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"{name!r} is not a valid name")
+    return names
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """HOST:PORT or [IPv6]:PORT."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError("must be HOST:PORT, for example 0.0.0.0:8899")
+    host = host.removeprefix("[").removesuffix("]")
+    port = int(port_text) if port_text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise ValueError("port must be between 0 and 65535")
+    return host, port
+
+
+def _text(text: str) -> str:
+    return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str
+    parse: Callable[[str], Any]
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "JOBSIGNAL_" + self.name.upper()
+
+
+SERVE_SETTINGS: tuple[Setting, ...] = (
+    Setting("listen", "0.0.0.0:8899", parse_listen, "gRPC listen address HOST:PORT"),
+    Setting(
+        "source",
+        "auto",
+        _choice("auto", "kubernetes", "demo"),
+        "where ConfigMaps come from: kubernetes (in-cluster or kubeconfig), demo (embedded"
+        " emulated cluster), or auto (kubernetes when configured, else demo)",
+    ),
+    Setting("kubeconfig", "", _text, "kubeconfig file (default: KUBECONFIG, ~/.kube/config)"),
+    Setting("context", "", _text, "kubeconfig context (default: current-context)"),
+    Setting("namespaces", "", _names, "namespaces to watch, comma-separated (default: all)"),
+    Setting("label_selector", "outside-job-info=true", _text, "label selector of job ConfigMaps"),
+    Setting("watch_timeout", "300", _positive_float, "timeoutSeconds asked of each WATCH"),
+    Setting(
+        "read_timeout",
+        "90",
+        _positive_float,
+        "restart a WATCH silent for this long (above the ~60 s bookmark interval)",
+    ),
+    Setting(
+        "idle_timeout",
+        "120",
+        _positive_float,
+        "close a stream with no message and no client heartbeat for this long (seconds)",
+    ),
+    Setting(
+        "roles",
+        "CCAgent,DefaultUser1,DefaultUser2,FdAgent",
+        _names,
+        "roles allowed to Register, comma-separated",
+    ),
+    Setting(
+        "snapshot_roles",
+        "FdAgent",
+        _names,
+        "roles whose SubscribeJobSummarySignal starts with the current state of every job",
+    ),
+    Setting("max_subscriptions_per_role", "20", _positive_int, "active subscriptions per role"),
+    Setting("max_registrations", "1024", _positive_int, "registered client ids held at once"),
+    Setting(
+        "registration_ttl",
+        "300",
+        _positive_float,
+        "seconds a registered id may wait for its subscription before it expires",
+    ),
+    Setting(
+        "max_pending_messages",
+        "1024",
+        _positive_int,
+        "messages queued per subscriber (after coalescing per job) before it is"
+        " disconnected with RESOURCE_EXHAUSTED",
+    ),
+    Setting(
+        "max_pending_bytes",
+        "67108864",
+        _positive_int,
+        "bytes queued per subscriber before it is disconnected",
+    ),
+    Setting(
+        "send_timeout",
+        "60",
+        _positive_float,
+        "a write blocked this long (client not reading) disconnects the client",
+    ),
+    Setting("keepalive_time", "60", _positive_float, "server PING interval to find dead peers"),
+    Setting("keepalive_timeout", "5", _positive_float, "seconds to wait for a PING ACK"),
+    Setting(
+        "min_client_ping_interval",
+        "4",
+        _positive_float,
+        "client PINGs closer than this are strikes (clients pinging every 5 s are fine)",
+    ),
+    Setting(
+        "ping_strikes",
+        "2",
+        _positive_int,
+        "strikes allowed before GOAWAY ENHANCE_YOUR_CALM too_many_pings",
+    ),
+    Setting("max_request_bytes", "4194304", _positive_int, "largest request message accepted"),
+    Setting("shutdown_grace", "5", _positive_float, "seconds streams get to end on shutdown"),
+    Setting("log_level", "info", _choice("debug", "info", "warning", "error"), "log level"),
+    Setting("log_format", "text", _choice("text", "json"), "log format: text or json lines"),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: tuple[str, int]
+    source: str
+    kubeconfig: str
+    context: str
+    namespaces: tuple[str, ...]
+    label_selector: str
+    watch_timeout: float
+    read_timeout: float
+    idle_timeout: float
+    roles: tuple[str, ...]
+    snapshot_roles: tuple[str, ...]
+    max_subscriptions_per_role: int
+    max_registrations: int
+    registration_ttl: float
+    max_pending_messages: int
+    max_pending_bytes: int
+    send_timeout: float
+    keepalive_time: float
+    keepalive_timeout: float
+    min_client_ping_interval: float
+    ping_strikes: int
+    max_request_bytes: int
+    shutdown_grace: float
+    log_level: str
+    log_format: str
+
+
+def add_arguments(parser: argparse.ArgumentParser, settings: Sequence[Setting]) -> None:
+    for setting in settings:
+        parser.add_argument(
+            setting.flag,
+            dest=setting.name,
+            default=None,
+            metavar="VALUE",
+            help=f"{setting.help} [env {setting.env}, default {setting.default!r}]",
+        )
+
+
+def resolve(
+    settings: Sequence[Setting], flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for setting in settings:
+        flag_value = flags.get(setting.name)
+        if flag_value is not None:
+            raw, origin = flag_value, setting.flag
+        elif setting.env in environ:
+            raw, origin = environ[setting.env], setting.env
+        else:
+            raw, origin = setting.default, "default"
+        try:
+            values[setting.name] = setting.parse(raw)
+        except ValueError as error:
+            raise ConfigError(f"{origin}={raw!r}: {error}") from None
+    return values
+
+
+def load_config(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> Config:
+    values = resolve(SERVE_SETTINGS, flags, environ)
+    config = Config(**values)
+    if config.read_timeout <= 60:
+        raise ConfigError(
+            f"read timeout {config.read_timeout:g}s must exceed the 60 s bookmark interval,"
+            " or quiet watches restart needlessly"
+        )
+    unknown = set(config.snapshot_roles) - set(config.roles)
+    if unknown:
+        raise ConfigError(f"snapshot roles {sorted(unknown)} are not among the allowed roles")
+    return config
+
+
+def defaults() -> Config:
+    return load_config({}, {})
+
+
+def replace(config: Config, **changes: Any) -> Config:
+    return dataclasses.replace(config, **changes)

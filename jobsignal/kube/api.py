@@ -1,0 +1,196 @@
+"""The Kubernetes API as the watcher needs it: paged LIST and WATCH of ConfigMaps.
+
+Raw HTTP through httpx. Every failure leaves this module as one of the
+`ApiError` classes below, so the watcher reasons about Kubernetes outcomes
+(gone, unauthorized, throttled, unavailable, malformed) and never about
+httpx, sockets or JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import httpx
+import trio
+
+
+class ApiError(Exception):
+    """A failed Kubernetes API call; the message is safe to log."""
+
+
+class ApiUnavailable(ApiError):
+    """Network failure, timeout or 5xx: back off and retry."""
+
+
+class Gone(ApiError):
+    """410: the resourceVersion is too old; relist."""
+
+
+class Unauthorized(ApiError):
+    """401: credentials were refused (a rotated token): re-read them."""
+
+
+class Throttled(ApiError):
+    """429: retry after the time the server asked for, if any."""
+
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class BadResponse(ApiError):
+    """A response that is not what the Kubernetes API sends (bad JSON, wrong shape)."""
+
+
+class TokenProvider(Protocol):
+    def current(self) -> str: ...
+
+
+def _error_for(status: int, body: bytes, headers: Mapping[str, str]) -> ApiError:
+    message = _status_message(body) or f"HTTP {status}"
+    text = f"HTTP {status}: {message}"
+    if status == 410:
+        return Gone(text)
+    if status == 401:
+        return Unauthorized(text)
+    if status == 429:
+        return Throttled(text, _retry_after(headers.get("retry-after")))
+    if status >= 500:
+        return ApiUnavailable(text)
+    return ApiError(text)
+
+
+def _status_message(body: bytes) -> str:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return ""
+    message = parsed.get("message") if isinstance(parsed, dict) else None
+    return str(message)[:200] if message else ""
+
+
+def _retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # an HTTP date: fall back to the normal backoff
+    return max(0.0, min(seconds, 600.0))
+
+
+def configmaps_path(namespace: str | None) -> str:
+    if namespace:
+        return f"/api/v1/namespaces/{namespace}/configmaps"
+    return "/api/v1/configmaps"
+
+
+class KubeApi:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        tokens: TokenProvider | None,
+        *,
+        read_timeout: float,
+    ) -> None:
+        self._client = client
+        self._tokens = tokens
+        self._read_timeout = read_timeout
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self._tokens is not None:
+            headers["Authorization"] = f"Bearer {self._tokens.current()}"
+        return headers
+
+    async def list_page(self, namespace: str | None, params: Mapping[str, str]) -> dict[str, Any]:
+        """One page of a ConfigMap LIST, as the decoded ConfigMapList."""
+        try:
+            with trio.fail_after(self._read_timeout):
+                response = await self._client.get(
+                    configmaps_path(namespace), params=dict(params), headers=self._headers()
+                )
+        except (httpx.HTTPError, trio.TooSlowError, OSError) as error:
+            raise ApiUnavailable(f"LIST failed: {_describe(error)}") from None
+        if response.status_code != 200:
+            raise _error_for(response.status_code, response.content, response.headers)
+        try:
+            page = response.json()
+        except ValueError:
+            raise BadResponse("LIST response is not JSON") from None
+        if not isinstance(page, dict) or not isinstance(page.get("items", []), list):
+            raise BadResponse("LIST response is not a ConfigMapList")
+        return page
+
+    @asynccontextmanager
+    async def watch(
+        self, namespace: str | None, params: Mapping[str, str]
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Open a WATCH; yields an iterator of decoded watch events.
+
+        Each event must arrive within the read timeout: a silent connection
+        (no events, no bookmarks) is treated as dead.
+        """
+        request = self._client.build_request(
+            "GET",
+            configmaps_path(namespace),
+            params={**params, "watch": "1"},
+            headers=self._headers(),
+        )
+        try:
+            with trio.fail_after(self._read_timeout):
+                response = await self._client.send(request, stream=True)
+        except (httpx.HTTPError, trio.TooSlowError, OSError) as error:
+            raise ApiUnavailable(f"WATCH failed: {_describe(error)}") from None
+        try:
+            if response.status_code != 200:
+                body = await _read_bounded(response)
+                raise _error_for(response.status_code, body, response.headers)
+            yield self._events(response)
+        finally:
+            with trio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def _events(self, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        lines = response.aiter_lines()
+        while True:
+            try:
+                with trio.fail_after(self._read_timeout):
+                    line = await anext(lines, None)
+            except trio.TooSlowError:
+                raise ApiUnavailable(
+                    f"WATCH silent for {self._read_timeout:g}s (no event, no bookmark)"
+                ) from None
+            except (httpx.HTTPError, OSError) as error:
+                raise ApiUnavailable(f"WATCH broken: {_describe(error)}") from None
+            if line is None:
+                return
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                raise BadResponse(f"WATCH sent a line that is not JSON: {line[:80]!r}") from None
+            if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+                raise BadResponse("WATCH sent an event without an object")
+            yield event
+
+
+async def _read_bounded(response: httpx.Response, limit: int = 64 * 1024) -> bytes:
+    body = b""
+    try:
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) >= limit:
+                break
+    except httpx.HTTPError:
+        pass
+    return body
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return f"{type(error).__name__}: {text}" if str(error) else text

@@ -1,0 +1,241 @@
+"""The watcher: LIST then WATCH job-summary ConfigMaps, feeding the job store.
+
+One loop per watched scope (all namespaces, or each configured namespace),
+following DESIGN.md section 5: LIST (paged) and replace the scope's part of
+the store, so a relist emits exactly the differences; WATCH from the LIST's
+resourceVersion with bookmarks and a server-side timeout; advance the version
+on every event and bookmark; after a clean end, WATCH again from there; on
+410, relist; on other errors, back off with jitter (honouring Retry-After,
+re-reading credentials after a 401) and keep serving the last known state.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from jobsignal.fanout import Broadcaster
+from jobsignal.kube.api import (
+    ApiError,
+    ApiUnavailable,
+    BadResponse,
+    Gone,
+    KubeApi,
+    Throttled,
+    Unauthorized,
+)
+from jobsignal.status import SourceStatus
+from jobsignal.store import JobStore
+from jobsignal.store.jobs import Changes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    label_selector: str = "outside-job-info=true"
+    namespaces: tuple[str, ...] = ()
+    watch_timeout: float = 300.0
+    page_size: int = 500
+    backoff_initial: float = 0.8
+    backoff_max: float = 30.0
+
+
+class Backoff:
+    """Exponential backoff with jitter: the n-th delay lies in [d/2, d], d = initial*2**n."""
+
+    def __init__(self, initial: float, maximum: float, rng: Callable[[], float]) -> None:
+        self._initial = initial
+        self._maximum = maximum
+        self._rng = rng
+        self._attempt = 0
+
+    def reset(self) -> None:
+        self._attempt = 0
+
+    def next_delay(self) -> float:
+        ceiling = min(self._maximum, self._initial * 2.0**self._attempt)
+        self._attempt = min(self._attempt + 1, 32)
+        jitter: float = self._rng()
+        return ceiling * (0.5 + 0.5 * jitter)
+
+
+class Credentials(Protocol):
+    """Something that can re-read rotated credentials (kube.credentials.TokenSource)."""
+
+    def invalidate(self) -> None: ...
+
+
+@dataclass
+class WatchCounters:
+    lists: int = 0
+    relists_after_gone: int = 0
+    watches: int = 0
+    watch_restarts: int = 0
+    events: int = 0
+    bookmarks: int = 0
+    errors: int = 0
+
+
+class Watcher:
+    def __init__(
+        self,
+        api: KubeApi,
+        store: JobStore,
+        broadcaster: Broadcaster,
+        status: SourceStatus,
+        settings: WatchSettings,
+        *,
+        credentials: Credentials | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self._api = api
+        self._store = store
+        self._broadcaster = broadcaster
+        self._status = status
+        self._settings = settings
+        self._credentials = credentials
+        self._wall_clock = wall_clock
+        self._rng = rng
+        self.counters = WatchCounters()
+        self._scopes: tuple[str | None, ...] = settings.namespaces or (None,)
+        self._listed: set[str | None] = set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Watch every scope forever. Starts at once: readiness comes via SourceStatus."""
+        async with trio.open_nursery() as nursery:
+            for scope in self._scopes:
+                nursery.start_soon(self._run_scope, scope)
+            task_status.started()
+
+    async def _run_scope(self, namespace: str | None) -> None:
+        where = f"namespace {namespace}" if namespace else "all namespaces"
+        backoff = Backoff(self._settings.backoff_initial, self._settings.backoff_max, self._rng)
+        version: str | None = None
+        while True:
+            try:
+                if version is None:
+                    version = await self._relist(namespace)
+                    self._mark_listed(namespace)
+                    backoff.reset()
+                version = await self._watch(namespace, version, backoff)
+                self.counters.watch_restarts += 1
+                log.debug("watch of %s ended cleanly at %s; watching again", where, version)
+            except Gone as gone:
+                self.counters.relists_after_gone += 1
+                log.info("watch of %s: %s; relisting", where, gone)
+                version = None
+            except ApiError as error:
+                self.counters.errors += 1
+                self._status.mark_unreachable(str(error))
+                delay = backoff.next_delay()
+                if isinstance(error, Throttled) and error.retry_after is not None:
+                    delay = max(delay, error.retry_after)
+                if isinstance(error, Unauthorized) and self._credentials is not None:
+                    self._credentials.invalidate()
+                log.warning(
+                    "Kubernetes API (%s): %s; serving last known state, retry in %.1fs",
+                    where,
+                    error,
+                    delay,
+                )
+                await trio.sleep(delay)
+
+    def _mark_listed(self, namespace: str | None) -> None:
+        self._listed.add(namespace)
+        now = self._wall_clock()
+        if not self._status.ready.is_set() and self._listed >= set(self._scopes):
+            self._status.mark_ready(now)
+            log.info("initial LIST applied: %d jobs", self._broadcaster.job_count())
+        else:
+            self._status.mark_synced(now)
+
+    def _selector(self) -> dict[str, str]:
+        return {"labelSelector": self._settings.label_selector}
+
+    async def _relist(self, namespace: str | None) -> str:
+        items: list[dict[str, Any]] = []
+        params = {**self._selector(), "limit": str(self._settings.page_size)}
+        while True:
+            page = await self._api.list_page(namespace, params)
+            items.extend(item for item in page.get("items", []) if isinstance(item, dict))
+            metadata = page.get("metadata") or {}
+            token = metadata.get("continue")
+            if not token:
+                break
+            params = {**params, "continue": str(token)}
+        version = str((page.get("metadata") or {}).get("resourceVersion") or "")
+        if not version:
+            raise BadResponse("LIST response has no metadata.resourceVersion")
+        self.counters.lists += 1
+        changes = self._store.replace_all(items, self._wall_clock(), namespace=namespace)
+        self._publish(changes)
+        log.info(
+            "LIST %s: %d ConfigMaps at resourceVersion %s, %d job events",
+            namespace or "all namespaces",
+            len(items),
+            version,
+            len(changes.events),
+        )
+        return version
+
+    async def _watch(self, namespace: str | None, version: str, backoff: Backoff) -> str:
+        params = {
+            **self._selector(),
+            "resourceVersion": version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(int(self._settings.watch_timeout)),
+        }
+        self.counters.watches += 1
+        async with self._api.watch(namespace, params) as events:
+            self._status.mark_synced(self._wall_clock())
+            async for event in events:
+                kind = event.get("type")
+                obj = event["object"]
+                if kind == "ERROR":
+                    raise _watch_error(obj)
+                new_version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+                if kind == "BOOKMARK":
+                    self.counters.bookmarks += 1
+                else:
+                    self.counters.events += 1
+                    self._publish(self._store.apply(str(kind), obj, self._wall_clock()))
+                if new_version:
+                    version = new_version
+                backoff.reset()
+                self._status.mark_synced(self._wall_clock())
+        return version
+
+    def _publish(self, changes: Changes) -> None:
+        for problem in changes.rejected:
+            log.warning("skipped ConfigMap: %s", problem)
+        if changes.events:
+            self._broadcaster.publish(changes.events)
+            for job in changes.events:
+                log.debug(
+                    "job event: %s/%s %s %s (%d NPUs)",
+                    job.namespace,
+                    job.job_name,
+                    job.job_status,
+                    job.operator,
+                    job.npu_count,
+                )
+
+
+def _watch_error(status_object: dict[str, Any]) -> ApiError:
+    code = status_object.get("code")
+    message = str(status_object.get("message") or status_object.get("reason") or "")[:200]
+    if code == 410:
+        return Gone(f"watch expired (410): {message}")
+    if code == 401:
+        return Unauthorized(f"watch refused (401): {message}")
+    if code == 429:
+        return Throttled(f"watch throttled (429): {message}", None)
+    return ApiUnavailable(f"watch error {code}: {message}")
