@@ -438,8 +438,9 @@ class _Connection:
 
     async def _send_error(self, error: StatusError) -> None:
         headers: list[tuple[str, str]] = []
+        # The API server turns any Status with retryAfterSeconds into this header.
         retry = (error.details or {}).get("retryAfterSeconds")
-        if isinstance(retry, int) and error.code in (429, 503, 504):
+        if isinstance(retry, int):
             headers.append(("Retry-After", str(retry)))
         await self._send_json(error.code, error.to_status(), headers)
 
