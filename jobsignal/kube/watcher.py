@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import trio
 
+from jobsignal.backoff import Backoff
 from jobsignal.fanout import Broadcaster
 from jobsignal.kube.api import (
     ApiError,
@@ -45,25 +46,6 @@ class WatchSettings:
     page_size: int = 500
     backoff_initial: float = 0.8
     backoff_max: float = 30.0
-
-
-class Backoff:
-    """Exponential backoff with jitter: the n-th delay lies in [d/2, d], d = initial*2**n."""
-
-    def __init__(self, initial: float, maximum: float, rng: Callable[[], float]) -> None:
-        self._initial = initial
-        self._maximum = maximum
-        self._rng = rng
-        self._attempt = 0
-
-    def reset(self) -> None:
-        self._attempt = 0
-
-    def next_delay(self) -> float:
-        ceiling = min(self._maximum, self._initial * 2.0**self._attempt)
-        self._attempt = min(self._attempt + 1, 32)
-        jitter: float = self._rng()
-        return ceiling * (0.5 + 0.5 * jitter)
 
 
 class Credentials(Protocol):

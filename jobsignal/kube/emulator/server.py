@@ -882,7 +882,12 @@ async def open_emulator(
     default_watch_timeout: float | None = DEFAULT_WATCH_TIMEOUT,
     state: ConfigMapStore | None = None,
 ) -> AsyncIterator[KubeEmulator]:
-    """Run an emulator for the duration of the block; see `run_emulator`."""
+    """Run an emulator for the duration of the block; see `run_emulator`.
+
+    An exception from the block comes out as itself, not inside an exception group.
+    """
+    _check_loopback(host)
+    raised: BaseException | None = None
     async with trio.open_nursery() as nursery:
         emulator: KubeEmulator = await nursery.start(
             functools.partial(
@@ -899,5 +904,10 @@ async def open_emulator(
         )
         try:
             yield emulator
+        except BaseException as exc:
+            # Raised again below, outside the nursery that would wrap it.
+            raised = exc
         finally:
             nursery.cancel_scope.cancel()
+    if raised is not None:
+        raise raised

@@ -1,0 +1,150 @@
+"""The root of a jobsignal server: one nursery, started in order.
+
+gRPC server first (it answers health NOT_SERVING at once), then the source
+(watcher against Kubernetes, or the embedded demo cluster) which marks the
+server ready once the first LIST is applied. `shutdown` ends it gracefully.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+import trio
+
+from jobsignal.config import Config, ConfigError
+from jobsignal.fanout import Broadcaster
+from jobsignal.kube.api import KubeApi
+from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
+from jobsignal.kube.demo import run_demo_cluster
+from jobsignal.kube.watcher import Watcher, WatchSettings
+from jobsignal.rpc.activity import PingPolicy
+from jobsignal.rpc.registry import Registry
+from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
+from jobsignal.rpc.session import SessionSettings
+from jobsignal.status import SourceStatus
+from jobsignal.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+def server_settings(config: Config) -> ServerSettings:
+    host, port = config.listen
+    return ServerSettings(
+        host=host,
+        port=port,
+        session=SessionSettings(
+            idle_timeout=config.idle_timeout,
+            send_timeout=config.send_timeout,
+            snapshot_roles=frozenset(config.snapshot_roles),
+        ),
+        ping_policy=PingPolicy(config.min_client_ping_interval, config.ping_strikes),
+        keepalive_time=config.keepalive_time,
+        keepalive_timeout=config.keepalive_timeout,
+        shutdown_grace=config.shutdown_grace,
+        max_request_bytes=config.max_request_bytes,
+    )
+
+
+def choose_connection(config: Config, environ: Mapping[str, str]) -> KubeConnection | None:
+    """The cluster to watch, or None for the embedded demo cluster."""
+    if config.source == "demo":
+        return None
+    try:
+        connection = discover(
+            Path(config.kubeconfig) if config.kubeconfig else None,
+            config.context or None,
+            environ,
+        )
+    except KubeConfigError as error:
+        raise ConfigError(str(error)) from None
+    if connection is None and config.source == "kubernetes":
+        raise ConfigError(
+            "no Kubernetes configuration found: not in a cluster (KUBERNETES_SERVICE_HOST"
+            " unset), no KUBECONFIG, no ~/.kube/config; pass --kubeconfig or --source demo"
+        )
+    return connection
+
+
+async def run_source(
+    config: Config,
+    connection: KubeConnection | None,
+    store: JobStore,
+    broadcaster: Broadcaster,
+    status: SourceStatus,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    settings = WatchSettings(
+        label_selector=config.label_selector,
+        namespaces=config.namespaces,
+        watch_timeout=config.watch_timeout,
+    )
+    async with trio.open_nursery() as nursery:
+        if connection is None:
+            log.warning("no Kubernetes cluster configured: serving the embedded DEMO cluster")
+            emulator = await nursery.start(run_demo_cluster)
+            base_url, verify, tokens = emulator.url, True, None
+        else:
+            log.info("watching ConfigMaps via %s", connection.description)
+            base_url, verify, tokens = (
+                connection.base_url,
+                connection.verify,
+                connection.token_source,
+            )
+        timeout = httpx.Timeout(10.0, read=config.read_timeout + 5)
+        async with httpx.AsyncClient(base_url=base_url, verify=verify, timeout=timeout) as client:
+            api = KubeApi(client, tokens, read_timeout=config.read_timeout)
+            watcher = Watcher(api, store, broadcaster, status, settings, credentials=tokens)
+            await nursery.start(watcher.run)
+            task_status.started()
+            await trio.sleep_forever()
+
+
+async def _handle_signals(shutdown: trio.Event, cancel_scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if shutdown.is_set():
+                log.warning("second %s: stopping now", signal.Signals(signum).name)
+                cancel_scope.cancel()
+                return
+            log.info("%s: shutting down gracefully", signal.Signals(signum).name)
+            shutdown.set()
+
+
+async def run_jobsignal(
+    config: Config,
+    *,
+    shutdown: trio.Event | None = None,
+    handle_signals: bool = False,
+    environ: Mapping[str, str] = os.environ,
+    task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a whole jobsignal server until `shutdown` is set (or SIGINT/SIGTERM)."""
+    connection = choose_connection(config, environ)
+    shutdown = shutdown or trio.Event()
+    store = JobStore()
+    status = SourceStatus()
+    broadcaster = Broadcaster(
+        max_pending=config.max_pending_messages, max_pending_bytes=config.max_pending_bytes
+    )
+    registry = Registry(
+        roles=config.roles,
+        max_registrations=config.max_registrations,
+        max_subscriptions_per_role=config.max_subscriptions_per_role,
+        ttl=config.registration_ttl,
+    )
+    async with trio.open_nursery() as nursery:
+        if handle_signals:
+            nursery.start_soon(_handle_signals, shutdown, nursery.cancel_scope)
+        server: RunningServer = await nursery.start(
+            run_grpc_server, server_settings(config), broadcaster, registry, status, shutdown
+        )
+        await nursery.start(run_source, config, connection, store, broadcaster, status)
+        task_status.started(server)
+        await server.stopped.wait()
+        nursery.cancel_scope.cancel()

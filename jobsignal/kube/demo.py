@@ -1,0 +1,87 @@
+"""The embedded demo cluster: the API emulator plus ClusterD's job lifecycle, played in a loop.
+
+Used when no Kubernetes cluster is configured, so `jobsignal serve` and
+`jobsignal demo` show real signals on a fresh machine. Each round starts a few
+jobs in namespace `demo` and walks them through pending, running (with rank
+tables), complete or failed, delete, and the removal of their ConfigMaps a
+little later; one job is large enough that its rank table spans three
+ConfigMaps. Every step goes through the emulator's HTTP API state, so the
+watcher sees exactly what it would see from a real API server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+
+import trio
+
+from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.kube.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "demo"
+
+
+def _write(state: ConfigMapStore, job: ClusterdJob, status: str, operator: str = "add") -> None:
+    delete_time = int(time.time()) if operator == "delete" else None
+    for name, data in job.configmaps(status, operator, delete_time):
+        try:
+            state.get(job.namespace, name)
+        except StatusError:
+            state.create_configmap(job.namespace, name, JOB_LABELS, data)
+        else:
+            state.update_configmap(job.namespace, name, data=data)
+
+
+def _remove(state: ConfigMapStore, job: ClusterdJob) -> None:
+    for index in range(job.configmap_count):
+        state.delete_configmap(job.namespace, job.configmap_name(index))
+
+
+async def play_scenario(state: ConfigMapStore, step: float = 2.0) -> None:
+    """Forever: a round of jobs through their whole lifecycle, `step` seconds apart."""
+    for round_number in itertools.count(1):
+        jobs = [
+            ClusterdJob(NAMESPACE, f"resnet50-{round_number}", str(uuid.uuid4()), servers=2),
+            ClusterdJob(
+                NAMESPACE,
+                f"llama-70b-{round_number}",
+                str(uuid.uuid4()),
+                servers=96,
+                servers_per_configmap=40,
+            ),
+            ClusterdJob(
+                NAMESPACE, f"bert-{round_number}", str(uuid.uuid4()), framework="mindspore"
+            ),
+        ]
+        finals = ["complete", "complete", "failed"]
+        for job in jobs:
+            _write(state, job, "pending")
+        await trio.sleep(step)
+        for job in jobs:
+            _write(state, job, "running")
+        await trio.sleep(step)
+        for job, final in zip(jobs, finals, strict=True):
+            _write(state, job, final)
+        await trio.sleep(step)
+        for job, final in zip(jobs, finals, strict=True):
+            _write(state, job, final, operator="delete")
+        await trio.sleep(step)
+        for job in jobs:
+            _remove(state, job)
+        await trio.sleep(step)
+
+
+async def run_demo_cluster(
+    *, step: float = 2.0, task_status: trio.TaskStatus[KubeEmulator] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the emulator on 127.0.0.1 and play the scenario; reports the emulator."""
+    async with trio.open_nursery() as nursery:
+        emulator: KubeEmulator = await nursery.start(run_emulator)
+        log.info("demo cluster: Kubernetes API emulator at %s", emulator.url)
+        nursery.start_soon(play_scenario, emulator.state, step)
+        task_status.started(emulator)
