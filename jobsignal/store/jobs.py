@@ -165,7 +165,10 @@ class JobStore:
             if state is not None:
                 if state != previous:
                     self._emitted[key] = state
-                    changes.events.append(state)
+                    # A delete matters only to clients that saw the job live; a
+                    # job first seen already deleted is recorded silently.
+                    if not state.is_deleted or (previous is not None and not previous.is_deleted):
+                        changes.events.append(state)
             elif key in lost and previous is not None and not previous.is_deleted:
                 ended = previous.as_deleted(str(int(now)))
                 self._emitted[key] = ended
