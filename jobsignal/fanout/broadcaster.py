@@ -136,6 +136,9 @@ class Broadcaster:
         for entry in self._latest.values():
             npus = entry.job.npu_count
             if npus > self._batch_npus:
+                if batch:
+                    yield encode_signal_list(batch, report_time, total)
+                    batch, batch_npus = [], 0
                 stripped = encode_signal(entry.job, entry.uuid, strip_rank_table=True)
                 yield encode_signal_list([stripped], report_time, total)
                 continue

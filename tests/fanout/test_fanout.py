@@ -1,0 +1,157 @@
+"""Encoding once, coalescing queues, and snapshot batching."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+
+from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
+from jobsignal.fanout import Broadcaster, EndReason, StreamKind
+from jobsignal.fanout.encoding import encode_signal, encode_signal_list, signal_message
+from jobsignal.store.model import JobSummary
+
+
+def job(job_id: str, status: str = "running", npus: int = 8, operator: str = "add") -> JobSummary:
+    return JobSummary(
+        "ns",
+        job_id,
+        f"name-{job_id}",
+        "pytorch",
+        status,
+        "17",
+        "2",
+        '{"status":"complete"}',
+        "",
+        "[]",
+        "1.2.3.4",
+        operator,
+        "sid-1",
+        npu_count=npus,
+    )
+
+
+def test_composed_list_equals_generated_encoding() -> None:
+    signals = [signal_message(job(str(i)), f"uuid-{i}") for i in range(3)]
+    composed = encode_signal_list([bytes(s) for s in signals], 1_700_000_000_123, 300)
+    expected = JobSummarySignalList(
+        job_summary_signals=signals, report_time="1700000000123", job_total_num=300
+    )
+    assert composed == bytes(expected)
+    parsed = JobSummarySignalList.parse(composed)
+    assert [s.job_id for s in parsed.job_summary_signals] == ["0", "1", "2"]
+    assert encode_signal_list([], 5, 0) == bytes(JobSummarySignalList(report_time="5"))
+
+
+def test_every_field_is_mapped() -> None:
+    signal = JobSummarySignal.parse(encode_signal(job("j1"), "u-1"))
+    assert signal.to_dict() == {
+        "uuid": "u-1",
+        "jobId": "j1",
+        "jobName": "name-j1",
+        "namespace": "ns",
+        "frameWork": "pytorch",
+        "jobStatus": "running",
+        "time": "17",
+        "cmIndex": "0",
+        "total": "2",
+        "hcclJson": '{"status":"complete"}',
+        "sharedTorIp": "[]",
+        "masterAddr": "1.2.3.4",
+        "operator": "add",
+        "sid": "sid-1",
+    }
+
+
+async def test_one_encoding_per_event_shared_by_all_subscribers() -> None:
+    broadcaster = Broadcaster()
+    subs = [
+        broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", str(i), snapshot=False)
+        for i in range(3)
+    ]
+    broadcaster.publish([job("a")])
+    frames = [(await s.next_batch(10))[0] for s in subs]
+    assert frames[0] is frames[1] is frames[2]
+
+
+async def test_slow_subscriber_is_coalesced_then_ended() -> None:
+    broadcaster = Broadcaster(max_pending=4)
+    slow = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "slow", snapshot=False)
+    # Many changes of two jobs: coalescing keeps the newest state of each.
+    for status in ["pending", "running", "complete", "failed"] * 3:
+        broadcaster.publish([job("a", status), job("b", status)])
+    assert slow.end_reason is None
+    assert slow.pending <= 4 and slow.coalesced > 0
+    latest = [JobSummarySignal.parse(f) for f in await slow.next_batch(10)]
+    newest = {s.job_id: s.job_status for s in latest}
+    assert newest == {"a": "failed", "b": "failed"}
+    # More distinct jobs than the queue holds: the subscriber is ended and its queue freed.
+    broadcaster.publish([job(str(i)) for i in range(6)])
+    assert slow.end_reason is EndReason.SLOW
+    assert slow.pending == 0 and slow.pending_bytes == 0
+
+
+async def test_byte_limit_ends_a_subscriber() -> None:
+    broadcaster = Broadcaster(max_pending=100, max_pending_bytes=1000)
+    sub = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "x", snapshot=False)
+    big = dataclasses.replace(job("a"), hccl_json="x" * 600)
+    broadcaster.publish([big, dataclasses.replace(big, job_id="b")])
+    assert sub.end_reason is EndReason.SLOW
+
+
+async def test_signal_snapshot_only_when_asked() -> None:
+    broadcaster = Broadcaster()
+    broadcaster.publish([job("a"), job("b"), job("c", operator="delete")])
+    with_snapshot = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "1", snapshot=True)
+    without = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "2", snapshot=False)
+    assert [JobSummarySignal.parse(f).job_id for f in await with_snapshot.next_batch(10)] == [
+        "a",
+        "b",
+    ]
+    assert without.pending == 0
+
+
+@pytest.mark.parametrize(
+    ("npus", "expected_batches"),
+    [
+        ([10_000] * 8, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        ([30_000, 50_000, 5_000, 20_000], [[0], [1], [2, 3]]),
+        ([40_000, 1], [[0], [1]]),
+    ],
+)
+async def test_list_snapshot_batches_by_npus(
+    npus: list[int], expected_batches: list[list[int]]
+) -> None:
+    broadcaster = Broadcaster(wall_clock=lambda: 1234.5)
+    broadcaster.publish([job(str(i), npus=n) for i, n in enumerate(npus)])
+    sub = broadcaster.subscribe(StreamKind.LIST, "CCAgent", "x", snapshot=False)
+    batches = [JobSummarySignalList.parse(f) for f in await sub.next_batch(100)]
+    assert [[int(s.job_id) for s in b.job_summary_signals] for b in batches] == expected_batches
+    assert {b.report_time for b in batches} == {"1234500"}
+    assert {b.job_total_num for b in batches} == {len(npus)}
+    for batch in batches:
+        for signal in batch.job_summary_signals:
+            huge = npus[int(signal.job_id)] > 40_000
+            assert (signal.hccl_json == "") == huge
+
+
+async def test_live_changes_arrive_as_lists_of_one() -> None:
+    broadcaster = Broadcaster(wall_clock=lambda: 2.0)
+    sub = broadcaster.subscribe(StreamKind.LIST, "CCAgent", "x", snapshot=False)
+    [empty] = [JobSummarySignalList.parse(f) for f in await sub.next_batch(10)]
+    assert empty.job_total_num == 0 and empty.job_summary_signals == []
+    broadcaster.publish([job("a"), job("b")])
+    lists = [JobSummarySignalList.parse(f) for f in await sub.next_batch(10)]
+    assert [len(x.job_summary_signals) for x in lists] == [1, 1]
+    assert [x.job_total_num for x in lists] == [1, 2]
+
+
+async def test_end_cancels_the_attached_scope() -> None:
+    broadcaster = Broadcaster()
+    sub = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "x", snapshot=False)
+    with trio.CancelScope() as scope:
+        sub.attach(scope)
+        sub.end(EndReason.REPLACED)
+        await trio.sleep_forever()
+    assert scope.cancelled_caught and sub.end_reason is EndReason.REPLACED
