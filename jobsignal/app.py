@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -88,14 +89,15 @@ async def run_source(
         if connection is None:
             log.warning("no Kubernetes cluster configured: serving the embedded DEMO cluster")
             emulator = await nursery.start(run_demo_cluster)
-            base_url, verify, tokens = emulator.url, True, None
-        else:
-            log.info("watching ConfigMaps via %s", connection.description)
-            base_url, verify, tokens = (
-                connection.base_url,
-                connection.verify,
-                connection.token_source,
+            connection = KubeConnection(
+                base_url=emulator.url,
+                verify=ssl.create_default_context(),
+                token_source=None,
+                description="embedded demo cluster",
+                default_namespace=None,
             )
+        log.info("watching ConfigMaps via %s", connection.description)
+        base_url, verify, tokens = connection.base_url, connection.verify, connection.token_source
         timeout = httpx.Timeout(10.0, read=config.read_timeout + 5)
         async with httpx.AsyncClient(base_url=base_url, verify=verify, timeout=timeout) as client:
             api = KubeApi(client, tokens, read_timeout=config.read_timeout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import trio
 import trio_asyncio
@@ -44,7 +45,7 @@ class SubscribeOptions:
     backoff_max: float = 30.0
 
 
-Signal = JobSummarySignal | JobSummarySignalList
+Signal: TypeAlias = JobSummarySignal | JobSummarySignalList
 
 
 def _channel(options: SubscribeOptions) -> Channel:
@@ -62,7 +63,8 @@ async def _register(stub: JobStub, role: str) -> str:
     status = await stub.register(ClientInfo(role=role))
     if status.code != 200:
         raise GRPCError(GrpcStatus.RESOURCE_EXHAUSTED, f"Register: {status.code} {status.info}")
-    return status.client_id
+    client_id: str = status.client_id
+    return client_id
 
 
 async def subscribe(options: SubscribeOptions) -> AsyncIterator[Signal]:

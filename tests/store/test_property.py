@@ -91,9 +91,8 @@ async def _run(steps: list[Any]) -> None:
             if action == "drop":
                 names = [names[slice_index % len(names)]]
             for name in names:
-                obj = cluster.pop((job.namespace, name), None)
-                if obj is not None:
-                    deliver(DELETED, obj, delivered)
+                if (job.namespace, name) in cluster:
+                    deliver(DELETED, cluster.pop((job.namespace, name)), delivered)
         else:
             broadcaster.publish(store.replace_all(list(cluster.values()), NOW).events)
     # The watcher always ends with a relist after any lost event.
