@@ -1,0 +1,156 @@
+"""The command line as a user meets it: settings, errors, and the README's commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from jobsignal.cli import main
+from jobsignal.config import SERVE_SETTINGS, ConfigError, defaults, load_config
+
+ROOT = Path(__file__).parent.parent
+# No kubeconfig or cluster reachable from the tests: an empty HOME and environment.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JOBSIGNAL_", "KUBE"))}
+
+
+def test_defaults_match_the_design() -> None:
+    config = defaults()
+    assert config.listen == ("0.0.0.0", 8899)
+    assert config.idle_timeout == 120
+    assert config.roles == ("CCAgent", "DefaultUser1", "DefaultUser2", "FdAgent")
+    assert config.snapshot_roles == ("FdAgent",)
+    assert config.max_subscriptions_per_role == 20
+
+
+def test_flag_beats_env_beats_default() -> None:
+    env = {"JOBSIGNAL_IDLE_TIMEOUT": "30", "JOBSIGNAL_LISTEN": "[::1]:9000"}
+    config = load_config({"idle_timeout": "45"}, env)
+    assert config.idle_timeout == 45
+    assert config.listen == ("::1", 9000)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        ({"idle_timeout": "abc"}, {}, "--idle-timeout='abc': must be a positive number"),
+        ({}, {"JOBSIGNAL_IDLE_TIMEOUT": "-1"}, "JOBSIGNAL_IDLE_TIMEOUT='-1': must be a positive"),
+        ({"listen": "8899"}, {}, "--listen='8899': must be HOST:PORT"),
+        ({"listen": "0.0.0.0:70000"}, {}, "port must be between 0 and 65535"),
+        ({"source": "k8s"}, {}, "--source='k8s': must be one of auto, kubernetes, demo"),
+        ({"max_registrations": "0"}, {}, "must be a positive integer"),
+        ({"snapshot_roles": "Nobody"}, {}, "snapshot roles ['Nobody'] are not among"),
+        ({"read_timeout": "30"}, {}, "must exceed the 60 s bookmark interval"),
+    ],
+)
+def test_bad_values_are_one_line_errors(
+    flags: dict[str, str | None], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(flags, env)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_cli_bad_value_exits_2_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--idle-timeout", "soon"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jobsignal: error: --idle-timeout='soon'")
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_source_kubernetes_without_a_cluster_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["serve", "--source", "kubernetes", "--listen", "127.0.0.1:0"]) == 2
+    assert "no Kubernetes configuration found" in capsys.readouterr().err
+
+
+def test_readme_configuration_table_matches_the_code() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for setting in SERVE_SETTINGS:
+        row = f"| `{setting.flag}` | `{setting.env}` | `{setting.default}` |"
+        assert row in readme, f"README lacks or misstates {setting.flag}: {row}"
+
+
+def _readme_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    return re.findall(r"```sh\n(.*?)\n```", readme, re.S)
+
+
+def test_readme_run_commands_are_the_tested_ones() -> None:
+    commands = _readme_commands()
+    assert "python3 -m pip install . && jobsignal demo" in commands
+    assert "python3 -m pip install nox && python3 -m nox" in commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m nox" in ci
+
+
+@contextmanager
+def running(*args: str) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jobsignal", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**CLEAN_ENV, "HOME": "/nonexistent"},
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def _read_until(stream: object, pattern: str, timeout: float = 30) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()  # type: ignore[attr-defined]
+        if not line:
+            break
+        lines.append(line)
+        if re.search(pattern, line):
+            return lines
+    raise AssertionError(f"no line matching {pattern!r} in {lines}")
+
+
+def test_jobsignal_demo_shows_signals_and_stops_on_sigint() -> None:
+    with running("demo", "--listen", "127.0.0.1:0") as demo:
+        lines = _read_until(demo.stdout, r"demo/llama-70b-\d+ running add total=3")
+        assert any("serving on 127.0.0.1:" in line for line in lines)
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=15) == 0
+        err = demo.stderr.read() if demo.stderr else ""
+        assert "server shutting down" in err or "gRPC server stopped" in err
+
+
+def test_serve_and_subscribe_json() -> None:
+    with running("serve", "--source", "demo", "--listen", "127.0.0.1:0") as server:
+        lines = _read_until(server.stderr, r"gRPC listening on 127\.0\.0\.1:\d+")
+        port = re.search(r"127\.0\.0\.1:(\d+)", lines[-1]).group(1)  # type: ignore[union-attr]
+        with running(
+            "subscribe", "--target", f"127.0.0.1:{port}", "--role", "FdAgent", "--json"
+        ) as client:
+            first = json.loads(_read_until(client.stdout, r"^\{")[-1])
+            assert first["namespace"] == "demo" and first["cmIndex"] == "0"
+            assert set(first) >= {"uuid", "jobId", "jobStatus", "HcclJson", "operator"}
+        with running("subscribe", "--target", f"127.0.0.1:{port}", "--role", "Hacker") as bad:
+            assert bad.wait(timeout=20) == 1
+            err = bad.stderr.read() if bad.stderr else ""
+            assert "INVALID_ARGUMENT" in err and "'Hacker' is not allowed" in err
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=15) == 0
