@@ -7,11 +7,15 @@ server ready once the first LIST is applied. `shutdown` ends it gracefully.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import ssl
+from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -23,6 +27,8 @@ from jobsignal.kube.api import KubeApi
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.demo import run_demo_cluster
 from jobsignal.kube.watcher import Watcher, WatchSettings
+from jobsignal.metrics import MetricSources, render
+from jobsignal.metrics_server import run_metrics_server
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
@@ -31,6 +37,30 @@ from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningJobsignal:
+    """A started server, as `run_jobsignal` reports it to `nursery.start`."""
+
+    host: str
+    port: int
+    metrics_port: int | None
+    broadcaster: Broadcaster
+    registry: Registry
+    store: JobStore
+    status: SourceStatus
+    watcher: Watcher
+    grpc: RunningServer
+    shutdown: trio.Event
+
+    @property
+    def stopped(self) -> trio.Event:
+        return self.grpc.stopped
+
+    def request_shutdown(self) -> None:
+        """End every stream with UNAVAILABLE, stop the server, return from run_jobsignal."""
+        self.shutdown.set()
 
 
 def server_settings(config: Config) -> ServerSettings:
@@ -78,7 +108,7 @@ async def run_source(
     broadcaster: Broadcaster,
     status: SourceStatus,
     *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[Watcher] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     settings = WatchSettings(
         label_selector=config.label_selector,
@@ -103,8 +133,34 @@ async def run_source(
             api = KubeApi(client, tokens, read_timeout=config.read_timeout)
             watcher = Watcher(api, store, broadcaster, status, settings, credentials=tokens)
             await nursery.start(watcher.run)
-            task_status.started()
+            task_status.started(watcher)
             await trio.sleep_forever()
+
+
+def metric_sources(
+    broadcaster: Broadcaster,
+    registry: Registry,
+    server: RunningServer,
+    store: JobStore,
+    watcher: Watcher,
+    status: SourceStatus,
+) -> MetricSources:
+    def subscribers() -> Counter[tuple[str, str]]:
+        return Counter((s.kind.value, s.role) for s in broadcaster.subscribers)
+
+    return MetricSources(
+        fanout=broadcaster.stats,
+        subscribers_by_kind_and_role=subscribers,
+        registered_ids=lambda: len(registry),
+        registrations_expired=lambda: registry.expired_total,
+        connections=lambda: len(server.connections),
+        ping_floods=lambda: server.connections.ping_floods,
+        jobs=store.live_job_count,
+        configmaps_rejected=lambda: store.rejected_total,
+        watch_counters=lambda: dataclasses.asdict(watcher.counters),
+        last_sync_time=lambda: status.last_sync_time,
+        source_in_sync=lambda: status.in_sync,
+    )
 
 
 async def _handle_signals(shutdown: trio.Event, cancel_scope: trio.CancelScope) -> None:
@@ -124,7 +180,7 @@ async def run_jobsignal(
     shutdown: trio.Event | None = None,
     handle_signals: bool = False,
     environ: Mapping[str, str] = os.environ,
-    task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[RunningJobsignal] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a whole jobsignal server until `shutdown` is set (or SIGINT/SIGTERM)."""
     connection = choose_connection(config, environ)
@@ -146,7 +202,29 @@ async def run_jobsignal(
         server: RunningServer = await nursery.start(
             run_grpc_server, server_settings(config), broadcaster, registry, status, shutdown
         )
-        await nursery.start(run_source, config, connection, store, broadcaster, status)
-        task_status.started(server)
+        watcher: Watcher = await nursery.start(
+            run_source, config, connection, store, broadcaster, status
+        )
+        metrics_port = None
+        if config.metrics_listen is not None:
+            sources = metric_sources(broadcaster, registry, server, store, watcher, status)
+            host, port = config.metrics_listen
+            metrics_port = await nursery.start(
+                run_metrics_server, host, port, partial(render, sources)
+            )
+        task_status.started(
+            RunningJobsignal(
+                server.host,
+                server.port,
+                metrics_port,
+                broadcaster,
+                registry,
+                store,
+                status,
+                watcher,
+                server,
+                shutdown,
+            )
+        )
         await server.stopped.wait()
         nursery.cancel_scope.cancel()

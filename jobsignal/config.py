@@ -67,6 +67,10 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, port
 
 
+def _optional_listen(text: str) -> tuple[str, int] | None:
+    return parse_listen(text) if text else None
+
+
 def _text(text: str) -> str:
     return text
 
@@ -89,6 +93,12 @@ class Setting:
 
 SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("listen", "0.0.0.0:8899", parse_listen, "gRPC listen address HOST:PORT"),
+    Setting(
+        "metrics_listen",
+        "",
+        _optional_listen,
+        "Prometheus metrics HOST:PORT, serving /metrics and /healthz (empty: off)",
+    ),
     Setting(
         "source",
         "auto",
@@ -176,6 +186,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
 @dataclass(frozen=True)
 class Config:
     listen: tuple[str, int]
+    metrics_listen: tuple[str, int] | None
     source: str
     kubeconfig: str
     context: str
@@ -252,3 +263,10 @@ def defaults() -> Config:
 
 def replace(config: Config, **changes: Any) -> Config:
     return dataclasses.replace(config, **changes)
+
+
+def settings_table() -> str:
+    """The README's configuration table (tests keep the README equal to this)."""
+    rows = ["| flag | env var | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{s.flag}` | `{s.env}` | `{s.default}` | {s.help} |" for s in SERVE_SETTINGS]
+    return "\n".join(rows) + "\n"

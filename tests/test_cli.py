@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jobsignal.cli import main
-from jobsignal.config import SERVE_SETTINGS, ConfigError, defaults, load_config
+from jobsignal.config import SERVE_SETTINGS, ConfigError, defaults, load_config, settings_table
 
 ROOT = Path(__file__).parent.parent
 # No kubeconfig or cluster reachable from the tests: an empty HOME and environment.
@@ -80,9 +80,9 @@ def test_source_kubernetes_without_a_cluster_exits_2(
 
 def test_readme_configuration_table_matches_the_code() -> None:
     readme = (ROOT / "README.md").read_text()
+    assert settings_table() in readme, "README's configuration table is stale"
     for setting in SERVE_SETTINGS:
-        row = f"| `{setting.flag}` | `{setting.env}` | `{setting.default}` |"
-        assert row in readme, f"README lacks or misstates {setting.flag}: {row}"
+        assert f"`{setting.flag}`" in readme
 
 
 def _readme_commands() -> list[str]:

@@ -18,6 +18,7 @@ import trio
 
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
 from jobsignal.fanout.subscriber import EndReason, StreamKind, Subscriber
+from jobsignal.metrics import FanoutStats
 from jobsignal.store.model import JobKey, JobSummary
 
 # DESIGN.md 2: a snapshot batch carries rank tables of at most this many NPUs.
@@ -41,6 +42,7 @@ class Broadcaster:
         max_pending_bytes: int = 64 * 1024 * 1024,
         batch_npus: int = DEFAULT_BATCH_NPUS,
         wall_clock: Callable[[], float] = time.time,
+        stats: FanoutStats | None = None,
     ) -> None:
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
@@ -50,8 +52,7 @@ class Broadcaster:
         self._subscribers: set[Subscriber] = set()
         self._no_subscribers = trio.Event()
         self._no_subscribers.set()
-        self.events_published = 0
-        self.messages_queued = 0
+        self.stats = stats or FanoutStats()
 
     # -- state -------------------------------------------------------------
 
@@ -67,7 +68,11 @@ class Broadcaster:
 
     # -- events ------------------------------------------------------------
 
-    def publish(self, jobs: Iterable[JobSummary]) -> None:
+    def publish(self, jobs: Iterable[JobSummary], seen_at: float | None = None) -> None:
+        """Send job events to every subscriber; `seen_at` is when the source saw them."""
+        if seen_at is None:
+            seen_at = trio.current_time()
+        stats = self.stats
         for job in jobs:
             event_uuid = str(uuid.uuid4())
             signal = encode_signal(job, event_uuid)
@@ -78,13 +83,13 @@ class Broadcaster:
             as_list: bytes | None = None
             for subscriber in self._subscribers:
                 if subscriber.kind is StreamKind.SIGNAL:
-                    subscriber.push(job.key, signal)
+                    subscriber.push(job.key, signal, seen_at)
                 else:
                     if as_list is None:
                         as_list = encode_signal_list([signal], self._now_ms(), len(self._latest))
-                    subscriber.push(job.key, as_list)
-                self.messages_queued += 1
-            self.events_published += 1
+                    subscriber.push(job.key, as_list, seen_at)
+            stats.messages_queued += len(self._subscribers)
+            stats.events_published += 1
 
     # -- subscriptions -----------------------------------------------------
 
@@ -98,6 +103,7 @@ class Broadcaster:
             client_id,
             max_pending=self._max_pending,
             max_pending_bytes=self._max_pending_bytes,
+            stats=self.stats,
         )
         if kind is StreamKind.LIST:
             for batch in self.snapshot_batches():

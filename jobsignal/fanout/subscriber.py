@@ -16,6 +16,8 @@ from collections.abc import Hashable
 
 import trio
 
+from jobsignal.metrics import FanoutStats
+
 
 class StreamKind(enum.Enum):
     SIGNAL = "SubscribeJobSummarySignal"
@@ -42,6 +44,7 @@ class Subscriber:
         "_max_pending_bytes",
         "_pending",
         "_pending_bytes",
+        "_stats",
         "_wakeup",
         "client_id",
         "coalesced",
@@ -58,13 +61,16 @@ class Subscriber:
         *,
         max_pending: int,
         max_pending_bytes: int,
+        stats: FanoutStats,
     ) -> None:
         self.kind = kind
         self.role = role
         self.client_id = client_id
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
-        self._pending: deque[tuple[Hashable, bytes]] = deque()
+        self._stats = stats
+        # (job key, encoded message, trio time the watcher saw the event or None)
+        self._pending: deque[tuple[Hashable, bytes, float | None]] = deque()
         self._pending_bytes = 0
         self._wakeup = trio.Event()
         self._cancel_scope: trio.CancelScope | None = None
@@ -79,11 +85,11 @@ class Subscriber:
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
-    def push(self, key: Hashable, frame: bytes) -> None:
+    def push(self, key: Hashable, frame: bytes, seen_at: float | None = None) -> None:
         """Queue one encoded message; `key` names the job it describes."""
         if self.end_reason is not None:
             return
-        self._pending.append((key, frame))
+        self._pending.append((key, frame, seen_at))
         self._pending_bytes += len(frame)
         if len(self._pending) > self._max_pending or self._pending_bytes > self._max_pending_bytes:
             self._coalesce()
@@ -100,26 +106,38 @@ class Subscriber:
 
     def _coalesce(self) -> None:
         newest: dict[Hashable, int] = {}
-        for position, (key, _) in enumerate(self._pending):
+        for position, (key, _, _) in enumerate(self._pending):
             if key is not _UNIQUE:
                 newest[key] = position
-        kept: deque[tuple[Hashable, bytes]] = deque()
-        for position, (key, frame) in enumerate(self._pending):
-            if key is _UNIQUE or newest[key] == position:
-                kept.append((key, frame))
-        self.coalesced += len(self._pending) - len(kept)
+        kept: deque[tuple[Hashable, bytes, float | None]] = deque()
+        for position, entry in enumerate(self._pending):
+            if entry[0] is _UNIQUE or newest[entry[0]] == position:
+                kept.append(entry)
+        dropped = len(self._pending) - len(kept)
+        self.coalesced += dropped
+        self._stats.coalesced += dropped
         self._pending = kept
-        self._pending_bytes = sum(len(frame) for _, frame in kept)
+        self._pending_bytes = sum(len(entry[1]) for entry in kept)
 
     async def next_batch(self, max_frames: int) -> list[bytes]:
         """Wait for at least one message; return up to `max_frames` in order."""
+        return (await self.next_batch_timed(max_frames))[0]
+
+    async def next_batch_timed(self, max_frames: int) -> tuple[list[bytes], list[float]]:
+        """Like `next_batch`, plus when the watcher saw each live event (for latency)."""
         while not self._pending:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
         count = min(max_frames, len(self._pending))
-        batch = [self._pending.popleft()[1] for _ in range(count)]
-        self._pending_bytes -= sum(len(frame) for frame in batch)
-        return batch
+        frames: list[bytes] = []
+        seen: list[float] = []
+        for _ in range(count):
+            _, frame, seen_at = self._pending.popleft()
+            frames.append(frame)
+            if seen_at is not None:
+                seen.append(seen_at)
+        self._pending_bytes -= sum(len(frame) for frame in frames)
+        return frames, seen
 
     def attach(self, cancel_scope: trio.CancelScope) -> None:
         """The stream task's scope: `end()` cancels it."""

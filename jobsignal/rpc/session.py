@@ -87,6 +87,14 @@ class IdleDeadline:
         self.scope.deadline = trio.current_time() + self.timeout
 
 
+def _record_delivery(broadcaster: Broadcaster, frames: list[bytes], seen: list[float]) -> None:
+    stats = broadcaster.stats
+    stats.messages_delivered += len(frames)
+    now = trio.current_time()
+    for seen_at in seen:
+        stats.delivery_latency.observe(now - seen_at)
+
+
 async def serve_subscription(
     *,
     kind: StreamKind,
@@ -121,13 +129,14 @@ async def serve_subscription(
             subscriber.attach(ended)
             with idle.scope:
                 while True:
-                    frames = await subscriber.next_batch(MAX_BATCH)
+                    frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
                     with trio.move_on_after(settings.send_timeout) as send_scope:
                         await send_frames(frames)
                     if send_scope.cancelled_caught:
                         subscriber.end(EndReason.SLOW)
                     activity.note_sent()
                     idle.touch()
+                    _record_delivery(broadcaster, frames, seen)
             if idle.scope.cancelled_caught:
                 subscriber.end(EndReason.IDLE)
         assert subscriber.end_reason is not None
@@ -135,6 +144,7 @@ async def serve_subscription(
     finally:
         # Reached on every path, including the client going away (cancellation).
         reason = subscriber.end_reason.value if subscriber.end_reason else "client_gone"
+        broadcaster.stats.stream_ends[reason] += 1
         activity.heartbeat_listeners.discard(idle.touch)
         broadcaster.unsubscribe(subscriber)
         registry.release(claim)

@@ -146,9 +146,10 @@ class FaultQueue:
 
 @dataclass(slots=True)
 class EmulatorStats:
-    """Counters for tests. `open_watches` is the number of watches streaming now."""
+    """Counters for tests. `open_*` count what is open now, the others since start."""
 
     connections: int = 0
+    open_connections: int = 0
     tls_handshake_failures: int = 0
     requests: int = 0
     list_requests: int = 0
@@ -165,6 +166,7 @@ class RequestRecord:
     method: str
     path: str
     query: Mapping[str, str]
+    #: "list", "watch", or the lower-case method for other requests ("post", ...).
     kind: str
     authorization: str | None
 
@@ -198,7 +200,7 @@ class KubeEmulator:
         self._tokens: frozenset[str] | None = None
         self.set_token(token)
         self._activity = trio.Event()
-        self._connection_scopes: set[trio.CancelScope] = set()
+        self._connections: set[_Connection] = set()
 
     # -- controls
 
@@ -213,13 +215,17 @@ class KubeEmulator:
             self._tokens = frozenset({token, *also_accept})
 
     def restart(self, *, lose_history: bool = True, drop_connections: bool = False) -> None:
-        """Simulate an API server restart: every open watch ends (cleanly, or with
-        `drop_connections` by closing every connection abruptly), and with
-        `lose_history` watches and list chunks from older versions get 410."""
+        """Simulate an API server restart.
+
+        Every open watch ends: cleanly (last chunk, then the connection closes), or
+        with `drop_connections` by closing every connection abruptly. Idle keep-alive
+        connections are closed either way, as the old server's would be. With
+        `lose_history`, watches and list chunks from older versions get 410.
+        """
         self.state.restart(lose_history=lose_history)
-        if drop_connections:
-            for scope in list(self._connection_scopes):
-                scope.cancel()
+        for connection in list(self._connections):
+            if drop_connections or connection.idle:
+                connection.scope.cancel()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Wait until `predicate()` holds; re-checked whenever a counter changes."""
@@ -252,10 +258,11 @@ class KubeEmulator:
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         self.stats.connections += 1
+        self.stats.open_connections += 1
         self._bump()
         conn_stream: trio.abc.Stream = stream
+        connection: _Connection | None = None
         with trio.CancelScope() as scope:
-            self._connection_scopes.add(scope)
             try:
                 if self._ssl_context is not None:
                     tls = trio.SSLStream(
@@ -268,12 +275,17 @@ class KubeEmulator:
                         self.stats.tls_handshake_failures += 1
                         self._bump()
                         return
-                await _Connection(self, conn_stream).serve()
+                connection = _Connection(self, conn_stream, scope)
+                self._connections.add(connection)
+                await connection.serve()
             except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
                 pass
             finally:
-                self._connection_scopes.discard(scope)
+                if connection is not None:
+                    self._connections.discard(connection)
                 await trio.aclose_forcefully(conn_stream)
+                self.stats.open_connections -= 1
+                self._bump()
 
 
 class _Dropped(Exception):
@@ -373,14 +385,21 @@ def _merge_patch(target: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, 
 class _Connection:
     """One HTTP/1.1 connection: a loop of requests, some of them long watches."""
 
-    def __init__(self, emulator: KubeEmulator, stream: trio.abc.Stream) -> None:
+    def __init__(
+        self, emulator: KubeEmulator, stream: trio.abc.Stream, scope: trio.CancelScope
+    ) -> None:
         self.emu = emulator
         self.stream = stream
+        self.scope = scope
         self.conn = h11.Connection(h11.SERVER)
+        # True while waiting for a request: safe to close on a simulated restart.
+        self.idle = False
+        # A connection to the server before a simulated restart takes no new requests.
+        self.epoch = emulator.state.epoch
         self._client_closed = False
 
     async def serve(self) -> None:
-        while True:
+        while self.emu.state.epoch == self.epoch:
             request = await self._next_request()
             if request is None:
                 return
@@ -403,7 +422,11 @@ class _Connection:
         while True:
             event = self.conn.next_event()
             if event is h11.NEED_DATA:
-                data = await self.stream.receive_some(65536)
+                self.idle = head is None
+                try:
+                    data = await self.stream.receive_some(65536)
+                finally:
+                    self.idle = False
                 self.conn.receive_data(bytes(data))
                 continue
             if isinstance(event, h11.Request):
