@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import trio
 import trio_asyncio
 
+from jobsignal._proto.job import JobSummarySignal
 from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.client import SubscribeOptions, subscribe
 from jobsignal.config import load_config
@@ -45,9 +47,9 @@ async def scrape(port: int) -> str:
     return response.text
 
 
-async def wait_for(condition: object, timeout: float = 10) -> None:
+async def wait_for(condition: Callable[[], bool], timeout: float = 10) -> None:
     with trio.fail_after(timeout):
-        while not condition():  # type: ignore[operator]
+        while not condition():
             await trio.sleep(0.02)
 
 
@@ -74,7 +76,8 @@ async def test_metrics_follow_events_subscribers_and_idle_closes(tmp_path: Path)
                 options = SubscribeOptions("127.0.0.1", server.port, role, keepalive_time=keepalive)
                 async with trio_asyncio.open_loop():
                     async for message in subscribe(options):
-                        received.append(message.job_id)  # type: ignore[union-attr]
+                        assert isinstance(message, JobSummarySignal)
+                        received.append(message.job_id)
 
             # One subscriber that pings every 0.5 s, one silent one (closed when idle).
             nursery.start_soon(subscriber, "CCAgent", 0.5)
@@ -98,7 +101,8 @@ async def test_metrics_follow_events_subscribers_and_idle_closes(tmp_path: Path)
                         emulator.state.create_configmap("ns", name, JOB_LABELS, data)
                     else:
                         emulator.state.update_configmap("ns", name, data=data)
-                await wait_for(lambda n=len(received): len(received) > n)
+                before = len(received)
+                await wait_for(lambda before=before: len(received) > before)
 
             await wait_for(lambda: server.broadcaster.stats.stream_ends["idle"] >= 1)
             text = await scrape(server.metrics_port)
