@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -45,6 +46,10 @@ async def scrape(port: int) -> str:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     return response.text
+
+
+def more_than(items: list[str], count: int) -> bool:
+    return len(items) > count
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float = 10) -> None:
@@ -101,8 +106,7 @@ async def test_metrics_follow_events_subscribers_and_idle_closes(tmp_path: Path)
                         emulator.state.create_configmap("ns", name, JOB_LABELS, data)
                     else:
                         emulator.state.update_configmap("ns", name, data=data)
-                before = len(received)
-                await wait_for(lambda before=before: len(received) > before)
+                await wait_for(partial(more_than, received, len(received)))
 
             await wait_for(lambda: server.broadcaster.stats.stream_ends["idle"] >= 1)
             text = await scrape(server.metrics_port)
