@@ -621,6 +621,18 @@ async def test_restart_ends_watches_and_loses_history(
         assert kinds_and_names([await w.next()]) == [("ADDED", "c")]
 
 
+async def test_restart_closes_idle_connections(
+    emu: KubeEmulator, client: httpx.AsyncClient
+) -> None:
+    assert (await client.get("/api/v1/configmaps")).status_code == 200
+    assert emu.stats.open_connections == 1
+    emu.restart()
+    with trio.fail_after(5):
+        await emu.wait_for(lambda: emu.stats.open_connections == 0)
+    assert (await client.get("/api/v1/configmaps")).status_code == 200
+    assert emu.stats.connections == 2
+
+
 async def test_restart_can_drop_connections(emu: KubeEmulator, client: httpx.AsyncClient) -> None:
     async with watch(client, "/api/v1/configmaps") as w:
         await emu.wait_open_watches(1)

@@ -283,9 +283,10 @@ class KubeEmulator:
             finally:
                 if connection is not None:
                     self._connections.discard(connection)
-                await trio.aclose_forcefully(conn_stream)
+                # Count it closed first: in a cancelled scope the await below raises.
                 self.stats.open_connections -= 1
                 self._bump()
+                await trio.aclose_forcefully(conn_stream)
 
 
 class _Dropped(Exception):
