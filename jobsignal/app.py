@@ -33,6 +33,7 @@ from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
 from jobsignal.rpc.session import SessionSettings
+from jobsignal.rpc.tls import TlsConfigError, TlsFiles, build_context
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 
@@ -78,7 +79,24 @@ def server_settings(config: Config) -> ServerSettings:
         keepalive_timeout=config.keepalive_timeout,
         shutdown_grace=config.shutdown_grace,
         max_request_bytes=config.max_request_bytes,
+        tls=tls_files(config),
+        tls_reload_interval=config.tls_reload_interval,
     )
+
+
+def tls_files(config: Config) -> TlsFiles | None:
+    if not config.tls_cert:
+        return None
+    files = TlsFiles(
+        Path(config.tls_cert),
+        Path(config.tls_key),
+        Path(config.tls_client_ca) if config.tls_client_ca else None,
+    )
+    try:
+        build_context(files)  # fail at start-up, with the file named, not at the first client
+    except TlsConfigError as error:
+        raise ConfigError(str(error)) from None
+    return files
 
 
 def choose_connection(config: Config, environ: Mapping[str, str]) -> KubeConnection | None:
@@ -184,6 +202,7 @@ async def run_jobsignal(
 ) -> None:
     """Run a whole jobsignal server until `shutdown` is set (or SIGINT/SIGTERM)."""
     connection = choose_connection(config, environ)
+    settings = server_settings(config)
     shutdown = shutdown or trio.Event()
     store = JobStore()
     status = SourceStatus()
@@ -200,7 +219,7 @@ async def run_jobsignal(
         if handle_signals:
             nursery.start_soon(_handle_signals, shutdown, nursery.cancel_scope)
         server: RunningServer = await nursery.start(
-            run_grpc_server, server_settings(config), broadcaster, registry, status, shutdown
+            run_grpc_server, settings, broadcaster, registry, status, shutdown
         )
         watcher: Watcher = await nursery.start(
             run_source, config, connection, store, broadcaster, status

@@ -93,6 +93,20 @@ class Setting:
 
 SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("listen", "0.0.0.0:8899", parse_listen, "gRPC listen address HOST:PORT"),
+    Setting("tls_cert", "", _text, "PEM certificate chain: serve gRPC over TLS"),
+    Setting("tls_key", "", _text, "PEM private key of --tls-cert"),
+    Setting(
+        "tls_client_ca",
+        "",
+        _text,
+        "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    ),
+    Setting(
+        "tls_reload_interval",
+        "30",
+        _positive_float,
+        "seconds between checks of the TLS files; changed files are reloaded live",
+    ),
     Setting(
         "metrics_listen",
         "",
@@ -186,6 +200,10 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
 @dataclass(frozen=True)
 class Config:
     listen: tuple[str, int]
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    tls_reload_interval: float
     metrics_listen: tuple[str, int] | None
     source: str
     kubeconfig: str
@@ -251,6 +269,10 @@ def load_config(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> 
             f"read timeout {config.read_timeout:g}s must exceed the 60 s bookmark interval,"
             " or quiet watches restart needlessly"
         )
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+    if config.tls_client_ca and not config.tls_cert:
+        raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     unknown = set(config.snapshot_roles) - set(config.roles)
     if unknown:
         raise ConfigError(f"snapshot roles {sorted(unknown)} are not among the allowed roles")

@@ -33,6 +33,7 @@ from jobsignal.rpc.reflection import ChainedPool
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
 from jobsignal.rpc.session import SessionSettings
+from jobsignal.rpc.tls import ReloadingTls, TlsFiles
 from jobsignal.status import SourceStatus
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class ServerSettings:
     max_request_bytes: int = 4 * 1024 * 1024
     # grpclib's default of 100 starves handshakes when many clients connect at once.
     backlog: int = 4096
+    tls: TlsFiles | None = None
+    tls_reload_interval: float = 30.0
 
 
 @dataclass
@@ -128,6 +131,7 @@ async def run_grpc_server(
     services: list[Any] = [service, health]
     pool = ChainedPool([default_google_proto_descriptor_pool, descriptor_pool.Default()])
     services = ServerReflection.extend(services, pool=pool)
+    tls = ReloadingTls(settings.tls) if settings.tls is not None else None
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         server = JobsignalServer(
             services,
@@ -139,6 +143,7 @@ async def run_grpc_server(
             settings.host,
             settings.port,
             backlog=settings.backlog,
+            ssl=tls.listening_context if tls is not None else None,
             reuse_address=True,
             family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
         )
@@ -146,7 +151,17 @@ async def run_grpc_server(
         assert isinstance(listener, asyncio.Server)
         bound = listener.sockets[0].getsockname()
         nursery.start_soon(_track_health, status, ready_health, source_health)
-        log.info("gRPC listening on %s:%d (plain text)", bound[0], bound[1])
+        if tls is None:
+            log.warning(
+                "gRPC listening on %s:%d in PLAIN TEXT (as ClusterD does); set --tls-cert"
+                " and --tls-key for TLS, plus --tls-client-ca for mutual TLS",
+                bound[0],
+                bound[1],
+            )
+        else:
+            mode = "mutual TLS" if tls.files.mutual else "TLS"
+            log.info("gRPC listening on %s:%d with %s", bound[0], bound[1], mode)
+            nursery.start_soon(tls.run_reloader, settings.tls_reload_interval)
         running = RunningServer(bound[0], bound[1], connections, registry, trio.Event())
         task_status.started(running)
         try:

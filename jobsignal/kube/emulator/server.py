@@ -639,7 +639,10 @@ class _Connection:
             )
             await self._send(h11.Data(data=body[: len(body) // 2]))
             if isinstance(fault, Stall):
-                await self._stall_until_restart()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch_for_client_close, nursery.cancel_scope)
+                    await self._stall_until_restart()
+                    nursery.cancel_scope.cancel()
             raise _Dropped
         await self._send_json(200, page.to_json())
         return True

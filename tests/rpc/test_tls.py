@@ -1,0 +1,175 @@
+"""TLS and mutual TLS on the gRPC port, with certificates made in the test."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import trio
+import trustme
+from grpcio_stubs import GrpcioStubs
+
+from jobsignal.config import ConfigError, load_config
+from jobsignal.rpc.tls import TlsFiles
+
+from . import (
+    StreamCollector,
+    in_thread,
+    local_settings,
+    make_job,
+    open_jobsignal_server,
+    wait_until,
+)
+
+
+def write_pair(cert: trustme.LeafCert, directory: Path, name: str) -> tuple[Path, Path]:
+    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
+    cert.cert_chain_pems[0].write_to_path(str(cert_path))
+    for extra in cert.cert_chain_pems[1:]:
+        extra.write_to_path(str(cert_path), append=True)
+    cert.private_key_pem.write_to_path(str(key_path))
+    return cert_path, key_path
+
+
+class Pki:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.server_ca = trustme.CA()
+        self.client_ca = trustme.CA()
+        self.server_cert, self.server_key = write_pair(
+            self.server_ca.issue_cert("localhost", "127.0.0.1"), directory, "server"
+        )
+        self.client_ca_path = directory / "client-ca.pem"
+        self.client_ca.cert_pem.write_to_path(str(self.client_ca_path))
+
+    def files(self, mutual: bool) -> TlsFiles:
+        return TlsFiles(self.server_cert, self.server_key, self.client_ca_path if mutual else None)
+
+    def credentials(self, client_ca: trustme.CA | None) -> Any:
+        chain = key = None
+        if client_ca is not None:
+            leaf = client_ca.issue_cert("client@example")
+            chain = b"".join(p.bytes() for p in leaf.cert_chain_pems)
+            key = leaf.private_key_pem.bytes()
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.server_ca.cert_pem.bytes(),
+            private_key=key,
+            certificate_chain=chain,
+        )
+
+
+def register(stubs: GrpcioStubs, port: int, credentials: Any) -> Any:
+    with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
+        stub = stubs.job_pb2_grpc.JobStub(channel)
+        return stub.Register(stubs.job_pb2.ClientInfo(role="CCAgent"), timeout=5)
+
+
+def served_certificate_serial(port: int, ca: trustme.CA) -> int:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    context.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    from cryptography import x509
+
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+async def test_tls_serves_and_plain_text_is_refused(
+    tmp_path: Path, grpcio_stubs: GrpcioStubs
+) -> None:
+    pki = Pki(tmp_path)
+    async with open_jobsignal_server(local_settings(tls=pki.files(mutual=False))) as server:
+        reply = await in_thread(register, grpcio_stubs, server.port, pki.credentials(None))
+        assert reply.code == 200
+
+        def plain() -> Any:
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = grpcio_stubs.job_pb2_grpc.JobStub(channel)
+                return stub.Register(grpcio_stubs.job_pb2.ClientInfo(role="CCAgent"), timeout=3)
+
+        with pytest.raises(grpc.RpcError) as error:
+            await in_thread(plain)
+        assert error.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_mutual_tls_requires_a_client_certificate_from_the_ca(
+    tmp_path: Path, grpcio_stubs: GrpcioStubs
+) -> None:
+    pki = Pki(tmp_path)
+    async with open_jobsignal_server(local_settings(tls=pki.files(mutual=True))) as server:
+        good = await in_thread(register, grpcio_stubs, server.port, pki.credentials(pki.client_ca))
+        assert good.code == 200
+        for credentials in (pki.credentials(None), pki.credentials(trustme.CA())):
+            with pytest.raises(grpc.RpcError) as error:
+                await in_thread(register, grpcio_stubs, server.port, credentials)
+            assert error.value.code() is grpc.StatusCode.UNAVAILABLE
+        # The refused handshakes did not hurt the server.
+        again = await in_thread(register, grpcio_stubs, server.port, pki.credentials(pki.client_ca))
+        assert again.code == 200
+
+
+async def test_certificate_rotation_keeps_live_streams(
+    tmp_path: Path, grpcio_stubs: GrpcioStubs
+) -> None:
+    pki = Pki(tmp_path)
+    settings = local_settings(tls=pki.files(mutual=True), tls_reload_interval=0.05)
+    async with open_jobsignal_server(settings) as server, trio.open_nursery() as nursery:
+        before = await in_thread(served_certificate_serial, server.port, pki.server_ca)
+        channel = grpc.secure_channel(f"localhost:{server.port}", pki.credentials(pki.client_ca))
+        try:
+            stub = grpcio_stubs.job_pb2_grpc.JobStub(channel)
+            info = grpcio_stubs.job_pb2.ClientInfo
+            reply = await in_thread(stub.Register, info(role="CCAgent"))
+            call = stub.SubscribeJobSummarySignal(info(role="CCAgent", clientId=reply.clientId))
+            stream = StreamCollector(call).start(nursery)
+            await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+            server.broadcaster.publish([make_job(1)])
+            await stream.wait_for(1)
+
+            # Rotate: a new server certificate written over the old files.
+            write_pair(pki.server_ca.issue_cert("localhost", "127.0.0.1"), tmp_path, "server")
+            with trio.fail_after(5):
+                while (
+                    await in_thread(served_certificate_serial, server.port, pki.server_ca) == before
+                ):
+                    await trio.sleep(0.05)
+
+            server.broadcaster.publish([make_job(2)])
+            [first, second] = await stream.wait_for(2)
+            assert (first.jobId, second.jobId) == ("uid-0001", "uid-0002")
+            assert not stream.ended.is_set()
+        finally:
+            channel.close()
+
+
+async def test_a_broken_rotation_keeps_the_old_certificate(tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    settings = local_settings(tls=pki.files(mutual=False), tls_reload_interval=0.05)
+    async with open_jobsignal_server(settings) as server:
+        before = await in_thread(served_certificate_serial, server.port, pki.server_ca)
+        pki.server_key.write_text("-----BEGIN PRIVATE KEY-----\ngarbage\n")
+        await trio.sleep(0.3)
+        assert await in_thread(served_certificate_serial, server.port, pki.server_ca) == before
+
+
+def test_tls_settings_are_checked_at_start(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--tls-cert and --tls-key go together"):
+        load_config({"tls_cert": "x.pem"}, {})
+    with pytest.raises(ConfigError, match="needs --tls-cert"):
+        load_config({"tls_client_ca": "ca.pem"}, {})
+    from jobsignal.app import server_settings
+
+    config = load_config(
+        {"tls_cert": str(tmp_path / "missing.crt"), "tls_key": str(tmp_path / "k")}, {}
+    )
+    with pytest.raises(ConfigError, match="cannot load TLS certificate"):
+        server_settings(config)
