@@ -365,6 +365,24 @@ async def test_label_changes_turn_into_added_and_deleted(
     assert emu.state.get("ns", "a").labels == {"outside-job-info": "false"}
 
 
+async def test_watch_one_object_by_field_selector(
+    emu: KubeEmulator, client: httpx.AsyncClient
+) -> None:
+    emu.state.create_configmap("ns", "a")
+    emu.state.create_configmap("other", "a")
+    async with watch(
+        client, "/api/v1/namespaces/ns/configmaps", fieldSelector="metadata.name=a"
+    ) as w:
+        assert kinds_and_names([await w.next()]) == [("ADDED", "a")]
+        emu.state.create_configmap("ns", "b")
+        emu.state.update_configmap("other", "a", data={"k": "other"})
+        emu.state.update_configmap("ns", "a", data={"k": "mine"})
+        event = await w.next()
+    assert event["type"] == "MODIFIED"
+    assert event["object"]["metadata"]["namespace"] == "ns"
+    assert event["object"]["data"] == {"k": "mine"}
+
+
 async def test_bookmarks_carry_only_the_version_and_cover_filtered_changes(
     autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
@@ -534,6 +552,21 @@ async def test_drop_in_the_middle_of_a_list_body(emu: KubeEmulator) -> None:
     assert chunks and b'"ConfigMapList"' in b"".join(chunks)
 
 
+async def test_stalled_list_body(
+    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+) -> None:
+    emu.state.create_configmap("ns", "a")
+    emu.faults.push(Stall(target="list"))
+    async with client.stream("GET", "/api/v1/configmaps") as response:
+        assert response.status_code == 200
+        with trio.move_on_after(600) as silence:
+            await response.aread()
+        assert silence.cancelled_caught
+    # The client hung up; the stalled connection notices and goes away.
+    with trio.fail_after(3600):  # virtual time: a hang jumps here and fails
+        await emu.wait_for(lambda: emu.stats.open_connections == 0)
+
+
 async def test_split_lines_straddle_chunks(
     autojump_clock: trio.testing.MockClock, emu: KubeEmulator
 ) -> None:
@@ -558,7 +591,8 @@ async def test_stall_keeps_the_connection_silent(
             await w.next_line()
         assert silence.cancelled_caught
         assert emu.stats.open_watches == 1
-    await emu.wait_open_watches(0)
+    with trio.fail_after(3600):
+        await emu.wait_open_watches(0)
 
 
 async def test_expire_mid_watch(emu: KubeEmulator, client: httpx.AsyncClient) -> None:
