@@ -30,6 +30,7 @@ from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.metrics import MetricSources, render
 from jobsignal.metrics_server import run_metrics_server
 from jobsignal.rpc.activity import PingPolicy
+from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
 from jobsignal.rpc.session import SessionSettings
@@ -80,6 +81,16 @@ def server_settings(config: Config) -> ServerSettings:
         shutdown_grace=config.shutdown_grace,
         max_request_bytes=config.max_request_bytes,
         tls=tls_files(config),
+        limits=Limits(
+            max_connections=config.max_connections,
+            max_connections_per_ip=config.max_connections_per_ip,
+            max_streams_per_connection=config.max_streams_per_connection,
+            max_send_bytes=config.max_send_bytes,
+            register_rate=config.register_rate,
+            register_burst=config.register_burst,
+            subscribe_rate=config.subscribe_rate,
+            subscribe_burst=config.subscribe_burst,
+        ),
         tls_reload_interval=config.tls_reload_interval,
     )
 
@@ -207,7 +218,9 @@ async def run_jobsignal(
     store = JobStore()
     status = SourceStatus()
     broadcaster = Broadcaster(
-        max_pending=config.max_pending_messages, max_pending_bytes=config.max_pending_bytes
+        max_pending=config.max_pending_messages,
+        max_pending_bytes=config.max_pending_bytes,
+        max_message_bytes=config.max_send_bytes,
     )
     registry = Registry(
         roles=config.roles,

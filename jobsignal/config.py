@@ -191,6 +191,19 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         "strikes allowed before GOAWAY ENHANCE_YOUR_CALM too_many_pings",
     ),
     Setting("max_request_bytes", "4194304", _positive_int, "largest request message accepted"),
+    Setting(
+        "max_send_bytes",
+        "8388608",
+        _positive_int,
+        "largest message sent; a bigger job event goes out with an empty HcclJson",
+    ),
+    Setting("max_connections", "1024", _positive_int, "open connections in total"),
+    Setting("max_connections_per_ip", "512", _positive_int, "open connections per client address"),
+    Setting("max_streams_per_connection", "64", _positive_int, "concurrent RPCs on one connection"),
+    Setting("register_rate", "20", _positive_float, "Register calls per second per address"),
+    Setting("register_burst", "40", _positive_int, "Register calls allowed in a burst"),
+    Setting("subscribe_rate", "20", _positive_float, "Subscribe calls per second per address"),
+    Setting("subscribe_burst", "40", _positive_int, "Subscribe calls allowed in a burst"),
     Setting("shutdown_grace", "5", _positive_float, "seconds streams get to end on shutdown"),
     Setting("log_level", "info", _choice("debug", "info", "warning", "error"), "log level"),
     Setting("log_format", "text", _choice("text", "json"), "log format: text or json lines"),
@@ -226,6 +239,14 @@ class Config:
     min_client_ping_interval: float
     ping_strikes: int
     max_request_bytes: int
+    max_send_bytes: int
+    max_connections: int
+    max_connections_per_ip: int
+    max_streams_per_connection: int
+    register_rate: float
+    register_burst: int
+    subscribe_rate: float
+    subscribe_burst: int
     shutdown_grace: float
     log_level: str
     log_format: str

@@ -39,6 +39,7 @@ class FanoutStats:
     messages_queued: int = 0
     messages_delivered: int = 0
     coalesced: int = 0
+    rank_tables_stripped: int = 0
     stream_ends: Counter[str] = field(default_factory=Counter)
     delivery_latency: Histogram = field(default_factory=Histogram)
 
@@ -168,6 +169,12 @@ def render(sources: MetricSources) -> str:
         "counter",
         "Queued messages replaced by a newer state of the same job (slow clients).",
         fanout.coalesced,
+    )
+    out.single(
+        "jobsignal_rank_tables_stripped_total",
+        "counter",
+        "Job events sent without HcclJson because the message exceeded the send limit.",
+        fanout.rank_tables_stripped,
     )
     out.family(
         "jobsignal_stream_ends_total",

@@ -41,12 +41,14 @@ class Broadcaster:
         max_pending: int = 1024,
         max_pending_bytes: int = 64 * 1024 * 1024,
         batch_npus: int = DEFAULT_BATCH_NPUS,
+        max_message_bytes: int = 8 * 1024 * 1024,
         wall_clock: Callable[[], float] = time.time,
         stats: FanoutStats | None = None,
     ) -> None:
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
         self._batch_npus = batch_npus
+        self._max_message_bytes = max_message_bytes
         self._wall_clock = wall_clock
         self._latest: dict[JobKey, EncodedJob] = {}
         self._subscribers: set[Subscriber] = set()
@@ -75,7 +77,7 @@ class Broadcaster:
         stats = self.stats
         for job in jobs:
             event_uuid = str(uuid.uuid4())
-            signal = encode_signal(job, event_uuid)
+            signal = self._encode(job, event_uuid)
             if job.is_deleted:
                 self._latest.pop(job.key, None)
             else:
@@ -138,25 +140,38 @@ class Broadcaster:
         report_time = self._now_ms()
         total = len(self._latest)
         batch: list[bytes] = []
-        batch_npus = 0
+        batch_npus = batch_bytes = 0
         for entry in self._latest.values():
             npus = entry.job.npu_count
+            size = len(entry.signal) + 8
             if npus > self._batch_npus:
                 if batch:
                     yield encode_signal_list(batch, report_time, total)
-                    batch, batch_npus = [], 0
+                    batch, batch_npus, batch_bytes = [], 0, 0
                 stripped = encode_signal(entry.job, entry.uuid, strip_rank_table=True)
                 yield encode_signal_list([stripped], report_time, total)
                 continue
-            if batch and batch_npus + npus > self._batch_npus:
+            too_big = batch_bytes + size + 64 > self._max_message_bytes
+            if batch and (batch_npus + npus > self._batch_npus or too_big):
                 yield encode_signal_list(batch, report_time, total)
-                batch, batch_npus = [], 0
+                batch, batch_npus, batch_bytes = [], 0, 0
             batch.append(entry.signal)
             batch_npus += npus
+            batch_bytes += size
         if batch or total == 0:
             # An empty cluster still answers with one (empty) batch so the
             # client learns JobTotalNum = 0 and the ReportTime of the state.
             yield encode_signal_list(batch, report_time, total)
+
+    def _encode(self, job: JobSummary, event_uuid: str) -> bytes:
+        """Encode a signal; one above the send limit goes out without its rank table
+        (DESIGN.md's rule for huge jobs) rather than killing every stream."""
+        signal = encode_signal(job, event_uuid)
+        # Headroom for the list wrapper (tag, length, ReportTime, JobTotalNum).
+        if len(signal) + 64 > self._max_message_bytes:
+            self.stats.rank_tables_stripped += 1
+            signal = encode_signal(job, event_uuid, strip_rank_table=True)
+        return signal
 
     def _now_ms(self) -> int:
         return int(self._wall_clock() * 1000)

@@ -15,22 +15,29 @@ import logging
 from typing import Any
 
 import grpclib.server
+from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import Connection, H2Protocol
 from h2.errors import ErrorCodes
-from h2.events import PingReceived
+from h2.events import PingReceived, RequestReceived
 
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
+from jobsignal.rpc.limits import ConnectionCounter, Limits
 
 log = logging.getLogger(__name__)
 
 TOO_MANY_PINGS = b"too_many_pings"
+RESOURCE_EXHAUSTED = 8
+# Seconds a refused connection may take to send the request it is refused on.
+REFUSED_CONNECTION_LINGER = 5.0
 
 
 class ConnectionTable:
     """The live connections of one server, keyed by grpclib's Connection."""
 
-    def __init__(self, ping_policy: PingPolicy) -> None:
+    def __init__(self, ping_policy: PingPolicy, limits: Limits | None = None) -> None:
         self.ping_policy = ping_policy
+        self.limits = limits or Limits()
+        self.counter = ConnectionCounter(self.limits)
         self._protocols: dict[Connection, ObservedH2Protocol] = {}
         self.ping_floods = 0
 
@@ -48,6 +55,14 @@ class ConnectionTable:
 
     def activity_of(self, stream: grpclib.server.Stream[Any, Any]) -> ConnectionActivity:
         return self._protocols[stream._stream.connection].activity
+
+    def stream_limit_refusal(self, stream: grpclib.server.Stream[Any, Any]) -> str | None:
+        """Why this stream exceeds its connection's stream limit, or None."""
+        protocol = self._protocols.get(stream._stream.connection)
+        limit = self.limits.max_streams_per_connection
+        if protocol is not None and len(protocol.processor.streams) > limit:
+            return f"too many concurrent streams on this connection (limit {limit})"
+        return None
 
     def close_if_unused(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         """Close the stream's connection once no other stream uses it.
@@ -74,14 +89,43 @@ class ObservedH2Protocol(H2Protocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         peer = transport.get_extra_info("peername")
+        self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.activity = ConnectionActivity(self._table.ping_policy, peer_text)
+        self._refusal = self._table.counter.refusal(self.ip)
+        if self._refusal is not None:
+            # Answer the first request with a status the client can read, then go.
+            log.warning("refusing connection from %s: %s", peer_text, self._refusal)
+            self._table.counter.refused += 1
+            self.processor.processors[RequestReceived] = self._refuse_request
+            asyncio.get_running_loop().call_later(
+                REFUSED_CONNECTION_LINGER, self.goaway, ErrorCodes.NO_ERROR, b"refused"
+            )
+            return
+        self._table.counter.opened(self.ip)
         self.processor.processors[PingReceived] = self._ping_received
         self._table.add(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._table.discard(self)
+        if self._refusal is None:
+            self._table.counter.closed(self.ip)
+            self._table.discard(self)
         super().connection_lost(exc)
+
+    def _refuse_request(self, event: RequestReceived) -> None:
+        assert self._refusal is not None
+        h2_connection = self.connection._connection
+        h2_connection.send_headers(
+            event.stream_id,
+            [
+                (":status", "200"),
+                ("content-type", "application/grpc+proto"),
+                ("grpc-status", str(RESOURCE_EXHAUSTED)),
+                ("grpc-message", encode_grpc_message(self._refusal)),
+            ],
+            end_stream=True,
+        )
+        self.goaway(ErrorCodes.NO_ERROR, b"too_many_connections")
 
     def _ping_received(self, event: PingReceived) -> None:
         # h2 has already queued the PING ACK; only the heartbeat is ours.

@@ -29,6 +29,7 @@ from jobsignal.fanout import Broadcaster, EndReason
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.codec import PassthroughCodec
 from jobsignal.rpc.connections import ConnectionTable, JobsignalServer
+from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.reflection import ChainedPool
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
@@ -52,6 +53,7 @@ class ServerSettings:
     # grpclib's default of 100 starves handshakes when many clients connect at once.
     backlog: int = 4096
     tls: TlsFiles | None = None
+    limits: Limits = field(default_factory=Limits)
     tls_reload_interval: float = 30.0
 
 
@@ -113,7 +115,7 @@ async def run_grpc_server(
     *,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    connections = ConnectionTable(settings.ping_policy)
+    connections = ConnectionTable(settings.ping_policy, settings.limits)
     service = JobService(
         registry=registry,
         broadcaster=broadcaster,

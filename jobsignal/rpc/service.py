@@ -21,6 +21,7 @@ import trio_asyncio
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.rpc.connections import ConnectionTable
+from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
 from jobsignal.rpc.session import SessionSettings, serve_subscription
 
@@ -52,6 +53,27 @@ class JobService:
         self.broadcaster = broadcaster
         self.settings = settings
         self.connections = connections
+        limits = connections.limits
+        self.register_limiter = RateLimiter(limits.register_rate, limits.register_burst)
+        self.subscribe_limiter = RateLimiter(limits.subscribe_rate, limits.subscribe_burst)
+
+    async def _refuse_if_over_limits(self, stream: Stream, limiter: RateLimiter, what: str) -> bool:
+        """Answer RESOURCE_EXHAUSTED and return True when a limit is hit."""
+        refusal = self.connections.stream_limit_refusal(stream)
+        address = stream.peer.addr()
+        ip = str(address[0]) if address else "unknown"
+        if refusal is None and not limiter.allow(ip):
+            refusal = (
+                f"rate limit: at most {limiter.rate:g} {what} calls per second"
+                f" (bursts of {limiter.burst}) per client address; retry later"
+            )
+        if refusal is None:
+            return False
+        log.info("refused %s from %s: %s", what, ip, refusal)
+        await stream.send_trailing_metadata(
+            status=grpclib.const.Status.RESOURCE_EXHAUSTED, status_message=refusal
+        )
+        return True
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         unary = grpclib.const.Cardinality.UNARY_UNARY
@@ -75,6 +97,8 @@ class JobService:
     async def register(self, stream: Stream) -> None:
         request: ClientInfo | None = await stream.recv_message()
         assert request is not None  # grpclib guarantees one message for unary requests
+        if await self._refuse_if_over_limits(stream, self.register_limiter, "Register"):
+            return
         try:
             client_id = self.registry.register(request.role, trio.current_time())
         except Refused as refusal:
@@ -99,6 +123,8 @@ class JobService:
     async def subscribe(self, kind: StreamKind, stream: Stream) -> None:
         request: ClientInfo | None = await stream.recv_message()
         assert request is not None
+        if await self._refuse_if_over_limits(stream, self.subscribe_limiter, "Subscribe"):
+            return
         activity = self.connections.activity_of(stream)
         send_frames = functools.partial(trio_asyncio.aio_as_trio(_write_frames), stream)
         end = await trio_asyncio.trio_as_aio(

@@ -1,0 +1,88 @@
+"""Limits against abuse and accidents: connection counts and request rates.
+
+Rates are token buckets per client address, refilled on trio's clock (so
+they are tested in virtual time). Buckets that are full again are forgotten,
+which keeps the table as small as the set of recently busy addresses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import trio
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 1024
+    max_connections_per_ip: int = 512
+    max_streams_per_connection: int = 64
+    max_send_bytes: int = 8 * 1024 * 1024
+    register_rate: float = 20.0
+    register_burst: int = 40
+    subscribe_rate: float = 20.0
+    subscribe_burst: int = 40
+
+
+class RateLimiter:
+    """At most `rate` calls per second per key, with bursts up to `burst`."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        # key -> (tokens, time of last update)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self.refused = 0
+
+    def allow(self, key: str) -> bool:
+        now = trio.current_time()
+        tokens, last = self._buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            self.refused += 1
+            return False
+        self._buckets[key] = (tokens - 1.0, now)
+        if len(self._buckets) > 1024:
+            self._forget_full(now)
+        return True
+
+    def _forget_full(self, now: float) -> None:
+        for key, (tokens, last) in list(self._buckets.items()):
+            if tokens + (now - last) * self.rate >= self.burst:
+                del self._buckets[key]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class ConnectionCounter:
+    """Open connections in total and per client address."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.total = 0
+        self.per_ip: Counter[str] = Counter()
+        self.refused = 0
+
+    def refusal(self, ip: str) -> str | None:
+        """Why a new connection from `ip` must be refused, or None to accept it."""
+        if self.total >= self.limits.max_connections:
+            return f"too many connections to this server (limit {self.limits.max_connections})"
+        if self.per_ip[ip] >= self.limits.max_connections_per_ip:
+            return (
+                f"too many connections from {ip}"
+                f" (limit {self.limits.max_connections_per_ip} per address)"
+            )
+        return None
+
+    def opened(self, ip: str) -> None:
+        self.total += 1
+        self.per_ip[ip] += 1
+
+    def closed(self, ip: str) -> None:
+        self.total -= 1
+        self.per_ip[ip] -= 1
+        if self.per_ip[ip] <= 0:
+            del self.per_ip[ip]
