@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf import message_factory
 from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError
@@ -34,9 +35,24 @@ class PassthroughCodec(CodecBase):
                 f"request of {len(data)} bytes exceeds the limit of {self.max_request_bytes}",
             )
         try:
+            _strict_check(data, message_type)
             return message_type.FromString(data)
         except Exception:
             name = getattr(message_type, "__name__", "request")
             raise GRPCError(
                 Status.INVALID_ARGUMENT, f"request is not a valid {name} message"
             ) from None
+
+
+def _strict_check(data: bytes, message_type: Any) -> None:
+    """Parse with the protobuf runtime, which rejects what betterproto2 lets by.
+
+    betterproto2's parser accepts a length-delimited field that runs past the
+    end of the message; protobuf's raises DecodeError. Both share the
+    descriptor generated from protos/, so the check costs one extra parse of a
+    small request. Messages that are already protobuf classes need no check.
+    """
+    descriptor = getattr(message_type, "DESCRIPTOR", None)
+    if descriptor is None or hasattr(message_type, "ParseFromString"):
+        return
+    message_factory.GetMessageClass(descriptor).FromString(data)

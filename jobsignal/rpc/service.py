@@ -23,6 +23,7 @@ from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
+from jobsignal.rpc.requests import read_request
 from jobsignal.rpc.session import SessionSettings, serve_subscription
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,13 @@ class JobService:
         broadcaster: Broadcaster,
         settings: SessionSettings,
         connections: ConnectionTable,
+        max_request_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self.registry = registry
         self.broadcaster = broadcaster
         self.settings = settings
         self.connections = connections
+        self.max_request_bytes = max_request_bytes
         limits = connections.limits
         self.register_limiter = RateLimiter(limits.register_rate, limits.register_burst)
         self.subscribe_limiter = RateLimiter(limits.subscribe_rate, limits.subscribe_burst)
@@ -95,8 +98,7 @@ class JobService:
         }
 
     async def register(self, stream: Stream) -> None:
-        request: ClientInfo | None = await stream.recv_message()
-        assert request is not None  # grpclib guarantees one message for unary requests
+        request = await read_request(stream, ClientInfo, self.max_request_bytes)
         if await self._refuse_if_over_limits(stream, self.register_limiter, "Register"):
             return
         try:
@@ -121,8 +123,7 @@ class JobService:
         )
 
     async def subscribe(self, kind: StreamKind, stream: Stream) -> None:
-        request: ClientInfo | None = await stream.recv_message()
-        assert request is not None
+        request = await read_request(stream, ClientInfo, self.max_request_bytes)
         if await self._refuse_if_over_limits(stream, self.subscribe_limiter, "Subscribe"):
             return
         activity = self.connections.activity_of(stream)
