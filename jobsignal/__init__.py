@@ -1,3 +1,41 @@
-"""jobsignal: stream Ascend job-summary ConfigMaps to ClusterD-compatible gRPC clients."""
+"""jobsignal: stream Ascend job-summary ConfigMaps to ClusterD-compatible gRPC clients.
+
+The public API for trio programs that embed jobsignal; everything else in
+the package is private and may change.
+
+Run a server inside your own nursery::
+
+    config = jobsignal.configure(listen="127.0.0.1:0", source="demo")
+    server = await nursery.start(jobsignal.serve, config)
+    ...                          # server.host, server.port, server.status.ready
+    server.request_shutdown()    # streams end with UNAVAILABLE "server shutting down"
+
+Subscribe from trio, with keepalive, re-registration and backoff built in::
+
+    options = jobsignal.SubscribeOptions("127.0.0.1", server.port, role="CCAgent")
+    async with jobsignal.open_subscription(options) as signals:
+        async for signal in signals:   # JobSummarySignal (or JobSummarySignalList with list_mode)
+            print(signal.job_name, signal.job_status)
+"""
+
+from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
+from jobsignal.app import RunningJobsignal
+from jobsignal.app import run_jobsignal as serve
+from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription, subscribe
+from jobsignal.config import Config, ConfigError, configure
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "JobSummarySignal",
+    "JobSummarySignalList",
+    "RunningJobsignal",
+    "SubscribeFailed",
+    "SubscribeOptions",
+    "configure",
+    "open_subscription",
+    "serve",
+    "subscribe",
+]

@@ -10,7 +10,8 @@ again and resubscribes after a jittered backoff.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -67,7 +68,7 @@ async def _register(stub: JobStub, role: str) -> str:
     return client_id
 
 
-async def subscribe(options: SubscribeOptions) -> AsyncIterator[Signal]:
+async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
     """Yield every message the server sends, across reconnects, until cancelled.
 
     Must run inside `trio_asyncio.open_loop()`.
@@ -97,6 +98,21 @@ async def subscribe(options: SubscribeOptions) -> AsyncIterator[Signal]:
         finally:
             channel.close()
         await trio.sleep(backoff.next_delay())
+
+
+@asynccontextmanager
+async def open_subscription(options: SubscribeOptions) -> AsyncIterator[AsyncIterator[Signal]]:
+    """`subscribe(options)` with the asyncio loop grpclib needs opened around it.
+
+    For trio programs::
+
+        async with open_subscription(SubscribeOptions("127.0.0.1", 8899, "CCAgent")) as signals:
+            async for signal in signals:
+                ...
+    """
+    # Close the generator (and its channel) while the loop still runs.
+    async with trio_asyncio.open_loop(), aclosing(subscribe(options)) as signals:
+        yield signals
 
 
 async def _open_channel(options: SubscribeOptions) -> Channel:

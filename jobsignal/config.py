@@ -8,7 +8,6 @@ from and what is accepted; the CLI prints it and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -304,8 +303,18 @@ def defaults() -> Config:
     return load_config({}, {})
 
 
-def replace(config: Config, **changes: Any) -> Config:
-    return dataclasses.replace(config, **changes)
+def configure(**settings: object) -> Config:
+    """A validated Config for programs embedding jobsignal; environment ignored.
+
+    Keyword names are the settings' names (`listen="127.0.0.1:0"`,
+    `idle_timeout=60`, `roles="CCAgent,FdAgent"`); values are checked exactly
+    like the command line's, and a bad one raises ConfigError.
+    """
+    names = {setting.name for setting in SERVE_SETTINGS}
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        raise ConfigError(f"unknown settings {unknown}; known: {sorted(names)}")
+    return load_config({name: str(value) for name, value in settings.items()}, {})
 
 
 def settings_table() -> str:
