@@ -73,6 +73,7 @@ class JobService:
         if refusal is None:
             return False
         log.info("refused %s from %s: %s", what, ip, refusal)
+        self.broadcaster.stats.stream_ends["refused"] += 1
         await stream.send_trailing_metadata(
             status=grpclib.const.Status.RESOURCE_EXHAUSTED, status_message=refusal
         )

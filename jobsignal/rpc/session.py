@@ -111,6 +111,7 @@ async def serve_subscription(
         claim, replaced = registry.claim(client_id, role, trio.current_time())
     except Refused as refusal:
         log.info("subscribe refused: %s (role %r, peer %s)", refusal.message, role, activity.peer)
+        broadcaster.stats.stream_ends["refused"] += 1
         return StreamEnd(refusal.status, refusal.message, "refused")
     if replaced is not None:
         for other in broadcaster.subscribers:
