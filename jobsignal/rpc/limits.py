@@ -19,10 +19,10 @@ class Limits:
     max_connections_per_ip: int = 512
     max_streams_per_connection: int = 64
     max_send_bytes: int = 8 * 1024 * 1024
-    register_rate: float = 20.0
-    register_burst: int = 40
-    subscribe_rate: float = 20.0
-    subscribe_burst: int = 40
+    register_rate: float = 100.0
+    register_burst: int = 200
+    subscribe_rate: float = 100.0
+    subscribe_burst: int = 200
 
 
 class RateLimiter:
