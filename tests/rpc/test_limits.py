@@ -1,0 +1,814 @@
+"""Every limit hit on purpose by the official grpcio client over 127.0.0.1.
+
+For each limit the tests check three things:
+
+(a) the refused client reads the documented status, with a message naming the
+    limit that was hit;
+(b) a well-behaved client, with a live subscription on its own connection,
+    keeps receiving job events during the abuse and after it;
+(c) once the abusive clients are gone the server's bookkeeping is back to
+    baseline: its connection table, the connection counter (total and per
+    address), the broadcaster's subscribers and the registry's active
+    subscriptions hold only the well-behaved client, then nothing once it
+    leaves too.
+
+One test (`test_memory_and_descriptors_return_to_baseline_after_abuse`)
+measures traced Python memory and open file descriptors across repeated
+rounds of every kind of abuse, against a warm-up round rather than zero.
+
+Ping floods (GOAWAY ENHANCE_YOUR_CALM "too_many_pings", UNAVAILABLE on the
+client, `ping_floods` counted) are asserted in test_pings.py; here a flooder
+only takes part in the memory rounds.
+
+Every grpcio channel opened here has a TCP connection of its own
+(`grpc.use_local_subchannel_pool`, see tests/grpcio_stubs.py), so "N
+channels" really is N connections.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import os
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+import trio
+from grpcio_stubs import GrpcioClients, GrpcioStubs, JobClient
+
+from jobsignal.fanout import Broadcaster
+from jobsignal.rpc.activity import PingPolicy
+from jobsignal.rpc.connections import REFUSED_CONNECTION_LINGER, ObservedH2Protocol
+from jobsignal.rpc.limits import Limits
+
+from . import (
+    ServerHarness,
+    StreamCollector,
+    expected_signal,
+    in_thread,
+    local_settings,
+    make_job,
+    make_registry,
+    open_jobsignal_server,
+    rpc_error,
+    signal_fields,
+    wait_until,
+)
+
+LOOPBACK = "127.0.0.1"
+# Another loopback address: Linux routes all of 127.0.0.0/8 to `lo`, so a
+# socket bound to it reaches the server on 127.0.0.1 from a different address.
+OTHER_LOOPBACK = "127.0.0.2"
+GOOD_ROLE = "CCAgent"
+ABUSER_ROLE = "DefaultUser1"
+
+
+# -- the well-behaved client ----------------------------------------------------------------
+
+
+@dataclass
+class GoodClient:
+    """A client that registers once, subscribes, and just reads its stream."""
+
+    client: JobClient
+    client_id: str
+    stream: StreamCollector
+
+
+async def open_good_client(
+    server: ServerHarness, clients: GrpcioClients, nursery: trio.Nursery
+) -> GoodClient:
+    client = clients.connect(server.target)
+    client_id = await in_thread(client.register_id, GOOD_ROLE)
+    stream = StreamCollector(client.subscribe(GOOD_ROLE, client_id, timeout=120)).start(nursery)
+    await wait_until(
+        lambda: any(s.client_id == client_id for s in server.broadcaster.subscribers),
+        what="the good client's subscription",
+    )
+    return GoodClient(client, client_id, stream)
+
+
+_next_job = iter(range(5000, 1_000_000))
+
+
+async def assert_served(server: ServerHarness, good: GoodClient, index: int | None = None) -> None:
+    """A job event published now reaches the good client, whose stream stays open."""
+    job = make_job(next(_next_job) if index is None else index)
+    before = len(good.stream.messages)
+    server.broadcaster.publish([job])
+    await wait_until(
+        lambda: (
+            any(m.jobId == job.job_id for m in good.stream.messages[before:])
+            or good.stream.ended.is_set()
+        ),
+        what=f"the good client to receive {job.job_id}",
+    )
+    assert not good.stream.ended.is_set(), (good.stream.code, good.stream.details)
+
+
+# -- baseline -------------------------------------------------------------------------------
+
+
+def server_state(server: ServerHarness) -> dict[str, object]:
+    table = server.connections
+    return {
+        "connections": len(table),
+        "counted_total": table.counter.total,
+        "counted_per_ip": dict(table.counter.per_ip),
+        "subscribers": len(server.broadcaster.subscribers),
+        "active_subscriptions": server.registry.active_subscriptions(),
+    }
+
+
+def baseline_state(live: int) -> dict[str, object]:
+    """The state with `live` well-behaved clients, one connection and stream each."""
+    return {
+        "connections": live,
+        "counted_total": live,
+        "counted_per_ip": {LOOPBACK: live} if live else {},
+        "subscribers": live,
+        "active_subscriptions": live,
+    }
+
+
+async def assert_back_to_baseline(server: ServerHarness, live: int, within: float = 10.0) -> None:
+    want = baseline_state(live)
+    try:
+        await wait_until(lambda: server_state(server) == want, within=within)
+    except AssertionError:
+        raise AssertionError(
+            f"server state {server_state(server)} did not return to {want}"
+        ) from None
+
+
+async def close_clients(*clients: JobClient) -> None:
+    for client in clients:
+        await in_thread(client.close)
+
+
+async def leave_and_check_empty(server: ServerHarness, good: GoodClient) -> None:
+    """The good client leaves too: nothing at all is left."""
+    await close_clients(good.client)
+    await good.stream.wait_end()
+    await assert_back_to_baseline(server, live=0)
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+async def expect_refusal(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    error = await rpc_error(call)
+    return error.code(), error.details()
+
+
+def subscribe_all(client: JobClient, role: str, client_id: str) -> Callable[[], object]:
+    """A call that reads a whole stream (for streams expected to be refused)."""
+    return lambda: list(client.subscribe(role, client_id, timeout=10))
+
+
+@dataclass
+class RawResponse:
+    grpc_status: int | None
+    grpc_message: str
+    data: bytes
+
+
+async def raw_register(
+    stubs: GrpcioStubs, port: int, *, source: str, role: str = GOOD_ROLE
+) -> RawResponse:
+    """Register over a socket bound to `source`: grpcio cannot pick its source address."""
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    await sock.bind((source, 0))
+    await sock.connect((LOOPBACK, port))
+    stream = trio.SocketStream(sock)
+    try:
+        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        connection = h2.connection.H2Connection(config=config)
+        connection.initiate_connection()
+        stream_id = connection.get_next_available_stream_id()
+        connection.send_headers(
+            stream_id,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/job.Job/Register"),
+                (":authority", f"{LOOPBACK}:{port}"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
+        )
+        body = stubs.job_pb2.ClientInfo(role=role).SerializeToString()
+        frame = b"\x00" + len(body).to_bytes(4, "big") + body
+        connection.send_data(stream_id, frame, end_stream=True)
+        await stream.send_all(connection.data_to_send())
+        headers: dict[str, str] = {}
+        data = b""
+        ended = False
+        with trio.fail_after(10):
+            while not ended:
+                chunk = await stream.receive_some()
+                if not chunk:
+                    break
+                for event in connection.receive_data(chunk):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        headers.update((str(k), str(v)) for k, v in event.headers)
+                    elif isinstance(event, h2.events.DataReceived):
+                        data += event.data
+                        connection.acknowledge_received_data(
+                            event.flow_controlled_length, event.stream_id
+                        )
+                    elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                        ended = True
+                pending = connection.data_to_send()
+                if pending:
+                    await stream.send_all(pending)
+        status = headers.get("grpc-status")
+        return RawResponse(
+            None if status is None else int(status), headers.get("grpc-message", ""), data[5:]
+        )
+    finally:
+        await stream.aclose()
+
+
+def decode_status(stubs: GrpcioStubs, data: bytes) -> Any:
+    return stubs.job_pb2.Status.FromString(data)
+
+
+# -- connections -----------------------------------------------------------------------------
+
+
+async def test_total_connection_limit(
+    grpc_clients: GrpcioClients, grpcio_stubs: GrpcioStubs
+) -> None:
+    limit = 3
+    settings = local_settings(limits=Limits(max_connections=limit, max_connections_per_ip=100))
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        good = await open_good_client(server, grpc_clients, nursery)
+        admitted = [grpc_clients.connect(server.target) for _ in range(limit - 1)]
+        for client in admitted:
+            assert (await in_thread(client.register, ABUSER_ROLE)).code == 200
+        assert server_state(server)["connections"] == limit
+
+        refused = [grpc_clients.connect(server.target) for _ in range(3)]
+        for client in refused:
+            code, details = await expect_refusal(functools.partial(client.register, ABUSER_ROLE))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert details == f"too many connections to this server (limit {limit})"
+            await assert_served(server, good)
+        # The total limit holds for every address.
+        other = await raw_register(grpcio_stubs, server.port, source=OTHER_LOOPBACK)
+        assert other.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert other.grpc_message == f"too many connections to this server (limit {limit})"
+        assert server.connections.counter.refused == 4
+        assert server.connections.counter.total == limit
+
+        await close_clients(*admitted, *refused)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        # Room again: a newcomer is admitted and registered.
+        newcomer = grpc_clients.connect(server.target)
+        assert (await in_thread(newcomer.register, ABUSER_ROLE)).code == 200
+        await close_clients(newcomer)
+        await assert_back_to_baseline(server, live=1)
+        await leave_and_check_empty(server, good)
+
+
+async def test_connection_limit_per_address(
+    grpc_clients: GrpcioClients, grpcio_stubs: GrpcioStubs
+) -> None:
+    limit = 2
+    settings = local_settings(limits=Limits(max_connections=100, max_connections_per_ip=limit))
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        good = await open_good_client(server, grpc_clients, nursery)
+        admitted = grpc_clients.connect(server.target)
+        assert (await in_thread(admitted.register, ABUSER_ROLE)).code == 200
+
+        refused = [grpc_clients.connect(server.target) for _ in range(3)]
+        for client in refused:
+            code, details = await expect_refusal(functools.partial(client.register, ABUSER_ROLE))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert details == f"too many connections from {LOOPBACK} (limit {limit} per address)"
+            await assert_served(server, good)
+        # Another address is not held to 127.0.0.1's count.
+        other = await raw_register(grpcio_stubs, server.port, source=OTHER_LOOPBACK)
+        assert other.grpc_status == 0, other
+        reply = decode_status(grpcio_stubs, other.data)
+        assert (reply.code, reply.info) == (200, "registration successful")
+        assert server.connections.counter.refused == 3
+
+        await close_clients(admitted, *refused)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        newcomer = grpc_clients.connect(server.target)
+        assert (await in_thread(newcomer.register, ABUSER_ROLE)).code == 200
+        await close_clients(newcomer)
+        await assert_back_to_baseline(server, live=1)
+        await leave_and_check_empty(server, good)
+
+
+# -- streams per connection ------------------------------------------------------------------
+
+
+async def test_concurrent_streams_per_connection_limit(grpc_clients: GrpcioClients) -> None:
+    limit = 3
+    settings = local_settings(limits=Limits(max_streams_per_connection=limit))
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        good = await open_good_client(server, grpc_clients, nursery)
+        abuser = grpc_clients.connect(server.target)
+        ids = [await in_thread(abuser.register_id, ABUSER_ROLE) for _ in range(limit + 1)]
+        streams = [
+            StreamCollector(abuser.subscribe(ABUSER_ROLE, client_id, timeout=60)).start(nursery)
+            for client_id in ids[:limit]
+        ]
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1 + limit)
+
+        message = f"too many concurrent streams on this connection (limit {limit})"
+        code, details = await expect_refusal(subscribe_all(abuser, ABUSER_ROLE, ids[limit]))
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        # Any RPC counts, Register included.
+        code, details = await expect_refusal(functools.partial(abuser.register, ABUSER_ROLE))
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        # The refused subscription claimed nothing.
+        assert server.registry.active_subscriptions(ABUSER_ROLE) == limit
+        await assert_served(server, good)
+        # The streams within the limit are served as usual.
+        await wait_until(lambda: all(len(s.messages) >= 1 for s in streams))
+
+        # The limit is on concurrent streams: ending one makes room for another.
+        streams[0].call.cancel()
+        assert (await streams[0].wait_end())[0] == grpc.StatusCode.CANCELLED
+        await wait_until(lambda: len(server.broadcaster.subscribers) == limit)
+        late = StreamCollector(abuser.subscribe(ABUSER_ROLE, ids[limit], timeout=60)).start(nursery)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1 + limit)
+        await assert_served(server, good)
+        await wait_until(lambda: len(late.messages) >= 1, what="the late stream's first event")
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+# -- request rates ---------------------------------------------------------------------------
+
+RATE = 0.5  # one token every 2 s: a burst of calls takes far less than that
+BURST = 3
+
+
+def rate_message(what: str) -> str:
+    return (
+        f"rate limit: at most {RATE:g} {what} calls per second (bursts of {BURST})"
+        " per client address; retry later"
+    )
+
+
+async def test_register_rate_limit_refuses_then_refills(grpc_clients: GrpcioClients) -> None:
+    settings = local_settings(limits=Limits(register_rate=RATE, register_burst=BURST))
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        good = await open_good_client(server, grpc_clients, nursery)  # takes one token
+        abuser = grpc_clients.connect(server.target)
+        ids = [await in_thread(abuser.register_id, ABUSER_ROLE) for _ in range(BURST - 1)]
+        code, details = await expect_refusal(functools.partial(abuser.register, ABUSER_ROLE))
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, rate_message("Register"))
+        refused_at = trio.current_time()
+        # A refused Register registers nothing; Subscribe has a bucket of its own.
+        assert len(server.registry) == 1 + len(ids)
+        stream = StreamCollector(abuser.subscribe(ABUSER_ROLE, ids[0], timeout=60)).start(nursery)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 2)
+        await assert_served(server, good)
+
+        # One token comes back every 1/rate seconds: one more Register, then refused again.
+        await trio.sleep_until(refused_at + 1 / RATE + 0.1)
+        assert (await in_thread(abuser.register, ABUSER_ROLE)).code == 200
+        code, details = await expect_refusal(functools.partial(abuser.register, ABUSER_ROLE))
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, rate_message("Register"))
+        await assert_served(server, good)
+        await wait_until(lambda: len(stream.messages) >= 2)
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+async def test_subscribe_rate_limit_refuses_then_refills(grpc_clients: GrpcioClients) -> None:
+    settings = local_settings(limits=Limits(subscribe_rate=RATE, subscribe_burst=BURST))
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        good = await open_good_client(server, grpc_clients, nursery)  # takes one token
+        abuser = grpc_clients.connect(server.target)
+        ids = [await in_thread(abuser.register_id, ABUSER_ROLE) for _ in range(BURST + 1)]
+        streams = [
+            StreamCollector(abuser.subscribe(ABUSER_ROLE, client_id, timeout=60)).start(nursery)
+            for client_id in ids[: BURST - 1]
+        ]
+        await wait_until(lambda: len(server.broadcaster.subscribers) == BURST)
+        code, details = await expect_refusal(subscribe_all(abuser, ABUSER_ROLE, ids[BURST - 1]))
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, rate_message("Subscribe"))
+        refused_at = trio.current_time()
+        # The refused subscription claimed nothing; Register has a bucket of its own.
+        assert server.registry.active_subscriptions() == BURST
+        assert (await in_thread(abuser.register, ABUSER_ROLE)).code == 200
+        await assert_served(server, good)
+
+        await trio.sleep_until(refused_at + 1 / RATE + 0.1)
+        streams.append(
+            StreamCollector(abuser.subscribe(ABUSER_ROLE, ids[BURST - 1], timeout=60)).start(
+                nursery
+            )
+        )
+        await wait_until(lambda: len(server.broadcaster.subscribers) == BURST + 1)
+        code, details = await expect_refusal(subscribe_all(abuser, ABUSER_ROLE, ids[BURST]))
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, rate_message("Subscribe"))
+        await assert_served(server, good)
+        await wait_until(lambda: all(len(s.messages) >= 1 for s in streams))
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+# -- registered ids --------------------------------------------------------------------------
+
+
+async def test_registered_ids_limit_answers_429_and_expires(grpc_clients: GrpcioClients) -> None:
+    limit, ttl = 3, 2.0
+    registry = make_registry(max_registrations=limit, ttl=ttl)
+    async with (
+        trio.open_nursery() as nursery,
+        open_jobsignal_server(registry=registry) as server,
+    ):
+        good = await open_good_client(server, grpc_clients, nursery)
+        abuser = grpc_clients.connect(server.target)
+        ids = [await in_thread(abuser.register_id, ABUSER_ROLE) for _ in range(limit - 1)]
+        registered_at = trio.current_time()
+        for _ in range(3):
+            # ClusterD's contract: a normal reply with code 429, not a gRPC error.
+            full = await in_thread(abuser.register, ABUSER_ROLE)
+            assert full.code == 429
+            assert full.info == f"too many registered clients (limit {limit}); retry later"
+            assert full.clientId == ""
+        assert len(server.registry) == limit
+        await assert_served(server, good)
+
+        # Ids that never subscribe expire, which makes room again.
+        await trio.sleep_until(registered_at + ttl + 0.1)
+        fresh = await in_thread(abuser.register_id, ABUSER_ROLE)
+        assert server.registry.expired_total == len(ids)
+        code, _ = await expect_refusal(subscribe_all(abuser, ABUSER_ROLE, ids[0]))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        stream = StreamCollector(abuser.subscribe(ABUSER_ROLE, fresh, timeout=60)).start(nursery)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 2)
+        await assert_served(server, good)
+        await wait_until(lambda: len(stream.messages) >= 1)
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        # Only the good client's id is left: the fresh one was freed with its stream.
+        assert len(server.registry) == 1
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+        assert len(server.registry) == 0
+
+
+# -- request size ----------------------------------------------------------------------------
+
+
+async def test_request_size_limit(grpc_clients: GrpcioClients, grpcio_stubs: GrpcioStubs) -> None:
+    limit = 64
+    settings = local_settings(max_request_bytes=limit)
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        good = await open_good_client(server, grpc_clients, nursery)
+        abuser = grpc_clients.connect(server.target)
+
+        def padded(size: int) -> str:
+            """A clientId that makes ClientInfo(role=ABUSER_ROLE) exactly `size` bytes."""
+            base: int = grpcio_stubs.job_pb2.ClientInfo(role=ABUSER_ROLE, clientId="x").ByteSize()
+            padding = "x" * (1 + size - base)
+            info = grpcio_stubs.job_pb2.ClientInfo(role=ABUSER_ROLE, clientId=padding)
+            assert info.ByteSize() == size
+            return padding
+
+        # Register ignores the clientId it is sent, so padding is harmless up to the limit.
+        at_limit = await in_thread(abuser.register, ABUSER_ROLE, padded(limit))
+        assert at_limit.code == 200
+        too_big = f"request of {limit + 1} bytes exceeds the limit of {limit}"
+        code, details = await expect_refusal(
+            functools.partial(abuser.register, ABUSER_ROLE, padded(limit + 1))
+        )
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
+        code, details = await expect_refusal(subscribe_all(abuser, ABUSER_ROLE, padded(limit + 1)))
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
+        # Requests far past the limit are refused from their length prefix; the
+        # connection's flow-control window must not leak the unread bytes.
+        huge = "x" * 512 * 1024
+        for _ in range(16):
+            code, details = await expect_refusal(functools.partial(abuser.register, huge))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert details.startswith("request of ") and f"the limit of {limit}" in details
+            await assert_served(server, good)
+        assert (await in_thread(abuser.register, ABUSER_ROLE)).code == 200
+        assert len(server.connections) == 2, "the abuser's connection is still in use"
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+# -- send size -------------------------------------------------------------------------------
+
+
+async def test_send_size_limit_strips_rank_tables(grpc_clients: GrpcioClients) -> None:
+    limit = 4096
+    broadcaster = Broadcaster(max_message_bytes=limit)
+    async with (
+        trio.open_nursery() as nursery,
+        open_jobsignal_server(broadcaster=broadcaster) as server,
+    ):
+        good = await open_good_client(server, grpc_clients, nursery)
+        lister = grpc_clients.connect(server.target)
+        list_id = await in_thread(lister.register_id, ABUSER_ROLE)
+        lists = StreamCollector(lister.subscribe_list(ABUSER_ROLE, list_id, timeout=60))
+        lists.start(nursery)
+        await lists.wait_for(1)  # the (empty) snapshot
+
+        big = make_job(1, npus=256)
+        assert len(big.hccl_json) > limit
+        small = make_job(2)
+        broadcaster.publish([big])
+        broadcaster.publish([small])
+        first, second = await good.stream.wait_for(2)
+        assert signal_fields(first) == {**expected_signal(big, first.uuid), "HcclJson": ""}
+        assert signal_fields(second) == expected_signal(small, second.uuid)
+        assert broadcaster.stats.rank_tables_stripped == 1
+        assert not good.stream.ended.is_set()
+        _, big_list, small_list = await lists.wait_for(3)
+        assert [s.HcclJson for s in big_list.jobSummarySignals] == [""]
+        assert [s.HcclJson for s in small_list.jobSummarySignals] == [small.hccl_json]
+
+        # A snapshot taken later carries the stripped event too.
+        snapshot = grpc_clients.connect(server.target)
+        snapshot_id = await in_thread(snapshot.register_id, "FdAgent")
+        fd_agent = StreamCollector(snapshot.subscribe("FdAgent", snapshot_id, timeout=60))
+        fd_agent.start(nursery)
+        got = {m.jobId: m.HcclJson for m in await fd_agent.wait_for(2)}
+        assert got == {big.job_id: "", small.job_id: small.hccl_json}
+        await assert_served(server, good)
+        assert not lists.ended.is_set() and not fd_agent.ended.is_set()
+
+        await close_clients(lister, snapshot)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "default send limit (max_send_bytes / Broadcaster.max_message_bytes = 8 MiB) is above"
+        " the 4 MiB default receive limit of grpcio (and grpc-go, grpc-java): a job event"
+        " between 4 and 8 MiB is sent whole, and every default client's stream dies with"
+        " RESOURCE_EXHAUSTED 'Received message larger than max' instead of getting the event"
+        " with an empty HcclJson"
+    ),
+)
+async def test_default_send_limit_fits_default_grpc_clients(grpc_clients: GrpcioClients) -> None:
+    async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
+        good = await open_good_client(server, grpc_clients, nursery)
+        huge = make_job(3, hccl_json='{"status":"complete","pad":"' + "x" * 5_000_000 + '"}')
+        server.broadcaster.publish([huge])
+        (message,) = await good.stream.wait_for(1, within=10)
+        assert message.jobId == huge.job_id
+        assert message.HcclJson == ""
+        await assert_served(server, good)
+
+
+# -- memory and file descriptors -------------------------------------------------------------
+
+MEMORY_LIMITS = Limits(
+    max_connections=64,
+    max_connections_per_ip=6,
+    max_streams_per_connection=2,
+    register_rate=5,
+    register_burst=20,
+    subscribe_rate=100,
+    subscribe_burst=100,
+)
+MEMORY_MAX_REGISTRATIONS = 12
+MEMORY_TTL = 1.0
+MEMORY_REQUEST_BYTES = 1024
+MEMORY_SEND_BYTES = 4096
+FLOOD_OPTIONS = {
+    "keepalive_time_ms": 100,
+    "keepalive_permit_without_calls": 1,
+    "http2__max_pings_without_data": 0,
+}
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def live_protocols() -> int:
+    """Server-side HTTP/2 protocol objects still alive (accepted or refused)."""
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, ObservedH2Protocol))
+
+
+def traced_now() -> int:
+    gc.collect()
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+def call_outcome(call: Callable[[], Any]) -> str:
+    """'200' / '429' for a Register reply, 'CODE: details' for a gRPC error."""
+    try:
+        reply = call()
+    except grpc.RpcError as error:
+        return f"{error.code().name}: {error.details()}"
+    return str(reply.code)
+
+
+async def abuse_round(server: ServerHarness, stubs: GrpcioStubs, good: GoodClient) -> float:
+    """Hit every limit; return the trio time of the last refused connection.
+
+    Returns once every abusive client has gone. Events are published only
+    before the ping flood is judged: data sent to a client forgives its strikes.
+    """
+    clients = GrpcioClients(stubs)
+    outcomes: list[str] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            # A ping flooder, told off with GOAWAY while the rest goes on.
+            flooder = clients.connect(server.target, **FLOOD_OPTIONS)
+            flood_id = await in_thread(flooder.register_id, ABUSER_ROLE)
+            flooding = StreamCollector(flooder.subscribe(ABUSER_ROLE, flood_id, timeout=30))
+            flooding.start(nursery)
+
+            # Too many streams on one connection.
+            streamer = clients.connect(server.target)
+            ids = [await in_thread(streamer.register_id, ABUSER_ROLE) for _ in range(3)]
+            streams = [
+                StreamCollector(streamer.subscribe(ABUSER_ROLE, i, timeout=30)).start(nursery)
+                for i in ids[:2]
+            ]
+            await wait_until(
+                lambda: (
+                    {s.client_id for s in server.broadcaster.subscribers} >= {flood_id, *ids[:2]}
+                )
+            )
+            outcomes.append(
+                await in_thread(call_outcome, subscribe_all(streamer, ABUSER_ROLE, ids[2]))
+            )
+
+            # An event too big to send whole, then one for the good client.
+            server.broadcaster.publish([make_job(1, npus=256)])
+            await assert_served(server, good, index=2)
+            await wait_until(lambda: all(len(s.messages) >= 2 for s in streams))
+
+            # Too many connections from one address.
+            crowd = [clients.connect(server.target) for _ in range(8)]
+            for client in crowd:
+                outcomes.append(
+                    await in_thread(call_outcome, functools.partial(client.register, ABUSER_ROLE))
+                )
+            last_refusal = trio.current_time()
+
+            # Oversize requests, then a Register flood: 429 once full, then the rate limit.
+            sizer = crowd[0]
+            for _ in range(3):
+                call = functools.partial(sizer.register, "x" * 100_000)
+                outcomes.append(await in_thread(call_outcome, call))
+            for _ in range(30):
+                call = functools.partial(sizer.register, ABUSER_ROLE)
+                outcomes.append(await in_thread(call_outcome, call))
+
+            code, details = await flooding.wait_end(within=20)
+            assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+            assert details is not None and "too_many_pings" in details, details
+            await assert_served(server, good, index=3)
+            for client in [flooder, streamer, *crowd]:
+                await in_thread(client.close)
+    finally:
+        clients.close_all()
+    text = "\n".join(outcomes)
+    assert "RESOURCE_EXHAUSTED: too many concurrent streams on this connection" in text, text
+    assert "RESOURCE_EXHAUSTED: too many connections from 127.0.0.1" in text, text
+    assert f"exceeds the limit of {MEMORY_REQUEST_BYTES}" in text, text
+    assert "429" in outcomes, text
+    assert "RESOURCE_EXHAUSTED: rate limit" in text, text
+    return last_refusal
+
+
+async def settle_after_round(server: ServerHarness, good: GoodClient, last_refusal: float) -> None:
+    """Let everything a round left behind go: clients, registrations, refused connections."""
+    await assert_back_to_baseline(server, live=1)
+    # The server keeps a refused connection (uncounted) for REFUSED_CONNECTION_LINGER
+    # seconds, even after its client has left (see the xfail test below).
+    await trio.sleep_until(last_refusal + REFUSED_CONNECTION_LINGER + 0.5)
+    server.registry.expire(trio.current_time())
+    assert len(server.registry) == 1  # the good client's own id
+    assert live_protocols() == 1  # the good client's connection
+    await assert_served(server, good, index=3)
+    await assert_back_to_baseline(server, live=1)
+
+
+async def test_memory_and_descriptors_return_to_baseline_after_abuse(
+    grpcio_stubs: GrpcioStubs, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every refusal is logged; pytest keeps the records, which is not the server's memory.
+    caplog.set_level(logging.CRITICAL, logger="jobsignal")
+    settings = local_settings(
+        limits=MEMORY_LIMITS,
+        max_request_bytes=MEMORY_REQUEST_BYTES,
+        ping_policy=PingPolicy(min_interval=10, max_strikes=2),
+    )
+    registry = make_registry(max_registrations=MEMORY_MAX_REGISTRATIONS, ttl=MEMORY_TTL)
+    broadcaster = Broadcaster(max_message_bytes=MEMORY_SEND_BYTES)
+    good_clients = GrpcioClients(grpcio_stubs)
+    rounds = 2
+    tracemalloc.start()
+    try:
+        async with (
+            trio.open_nursery() as nursery,
+            open_jobsignal_server(settings, registry=registry, broadcaster=broadcaster) as server,
+        ):
+            good = await open_good_client(server, good_clients, nursery)
+            started = time.monotonic()
+            # Warm-up round: caches, worker threads, lazy imports, grpcio's own state.
+            last_refusal = await abuse_round(server, grpcio_stubs, good)
+            await settle_after_round(server, good, last_refusal)
+            memory_before, fds_before = traced_now(), open_fds()
+
+            for _ in range(rounds):
+                last_refusal = await abuse_round(server, grpcio_stubs, good)
+                await settle_after_round(server, good, last_refusal)
+            memory_after, fds_after = traced_now(), open_fds()
+            snapshot = tracemalloc.take_snapshot()
+            elapsed = time.monotonic() - started
+
+            growth = memory_after - memory_before
+            print(
+                f"\ntraced memory {memory_before / 1024:.0f} KiB -> {memory_after / 1024:.0f} KiB"
+                f" ({growth / 1024:+.1f} KiB over {rounds} rounds of abuse), open fds"
+                f" {fds_before} -> {fds_after}, {elapsed:.1f}s"
+            )
+            assert growth < 300 * 1024, "\n".join(
+                str(stat) for stat in snapshot.statistics("lineno")[:15]
+            )
+            assert fds_after <= fds_before + 2, (fds_before, fds_after)
+            # grpcio may reconnect a told-off flooder once before its channel closes.
+            assert server.connections.ping_floods >= 1 + rounds
+            assert broadcaster.stats.rank_tables_stripped == 1 + rounds
+
+            await close_clients(good.client)
+            await good.stream.wait_end()
+            await assert_back_to_baseline(server, live=0)
+    finally:
+        tracemalloc.stop()
+        good_clients.close_all()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "ObservedH2Protocol.connection_made schedules goaway() with loop.call_later("
+        "REFUSED_CONNECTION_LINGER) for a refused connection and connection_lost never cancels"
+        " that handle, so the protocol and its h2 state (about 22 KiB each, measured) stay"
+        " referenced for 5 s after the client has gone; the connection limit does not count"
+        " them, so a flood of refused connections holds rate x 5 s of them"
+    ),
+)
+async def test_refused_connection_is_freed_when_its_client_leaves(
+    grpc_clients: GrpcioClients, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.CRITICAL, logger="jobsignal")
+    settings = local_settings(limits=Limits(max_connections_per_ip=1))
+    async with open_jobsignal_server(settings) as server:
+        holder = grpc_clients.connect(server.target)
+        assert (await in_thread(holder.register, GOOD_ROLE)).code == 200
+        assert live_protocols() == 1
+        for _ in range(20):
+            client = grpc_clients.connect(server.target)
+            code, _ = await expect_refusal(functools.partial(client.register, GOOD_ROLE))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await close_clients(client)
+        # Well before the linger ends, nothing of the departed clients is left.
+        with trio.move_on_after(REFUSED_CONNECTION_LINGER / 2):
+            while live_protocols() > 1:
+                await trio.sleep(0.1)
+        assert live_protocols() == 1
+        assert server.connections.counter.total == 1
+        await close_clients(holder)
+        await assert_back_to_baseline(server, live=0)
