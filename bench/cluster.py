@@ -1,0 +1,145 @@
+"""The Kubernetes side of the benchmark: jobsignal's API emulator plus a ClusterD stand-in.
+
+    python -m bench.cluster [--deadline S]
+
+Runs `jobsignal.kube.emulator` on 127.0.0.1 in its own process (as a real
+API server would be) and, on command, writes job-summary ConfigMaps the way
+ClusterD does (`jobsignal.kube.clusterd`): a bulk population for the initial
+LIST, a steady stream of changes at a given rate, or one large job split over
+several ConfigMaps. Every write stamps its wall-clock time (Unix ns) into the
+`sid` data key, so a subscriber can measure ConfigMap change to arrival.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import trio
+import trio.lowlevel
+
+from bench.common import emit, setup_child
+from bench.events import clusterd_job
+from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.kube.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
+
+
+def write_job(state: ConfigMapStore, job: ClusterdJob, status: str, sid: str) -> int:
+    """Create or update every ConfigMap of `job`; returns how many were written."""
+    written = 0
+    for name, data in job.configmaps(status):
+        data["sid"] = sid
+        try:
+            state.get(job.namespace, name)
+        except StatusError:
+            state.create_configmap(job.namespace, name, JOB_LABELS, data)
+        else:
+            state.update_configmap(job.namespace, name, data=data)
+        written += 1
+    return written
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.emulator: KubeEmulator | None = None
+        self.jobs: list[ClusterdJob] = []
+        self.large: ClusterdJob | None = None
+        self.large_writes = 0
+        self.changes = 0
+        self.driver_scope: trio.CancelScope | None = None
+
+    @property
+    def state(self) -> ConfigMapStore:
+        assert self.emulator is not None
+        return self.emulator.state
+
+    async def main(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self.emulator = await nursery.start(
+                lambda task_status: run_emulator(
+                    history_size=self.args.history, task_status=task_status
+                )
+            )
+            emit({"ready": True, "url": self.emulator.url, "pid": os.getpid()})
+            await self._commands(nursery)
+            nursery.cancel_scope.cancel()
+
+    async def _commands(self, nursery: trio.Nursery) -> None:
+        stdin = trio.lowlevel.FdStream(os.dup(0))
+        buffer = b""
+        while True:
+            data = await stdin.receive_some(65536)
+            if not data:
+                return
+            buffer += data
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                if line.strip():
+                    emit(self._handle(json.loads(line), nursery))
+
+    def _handle(self, command: dict[str, Any], nursery: trio.Nursery) -> dict[str, Any]:
+        name = command["cmd"]
+        if name == "populate":
+            started = time.perf_counter()
+            self.jobs = [clusterd_job(i, command["servers"]) for i in range(command["count"])]
+            written = sum(write_job(self.state, job, "running", "0") for job in self.jobs)
+            return {"configmaps": written, "seconds": time.perf_counter() - started}
+        if name == "mode":
+            if self.driver_scope is not None:
+                self.driver_scope.cancel()
+                self.driver_scope = None
+            if command["mode"] == "churn":
+                self.driver_scope = trio.CancelScope()
+                nursery.start_soon(self._churn, self.driver_scope, command["rate"])
+            return {"ok": True}
+        if name == "stats":
+            return {"changes": self.changes, "configmaps": len(self.state)}
+        if name == "large":
+            if self.large is None:
+                self.large = clusterd_job(
+                    10_000_000, command["servers"], command["servers_per_configmap"]
+                )
+            self.large_writes += 1
+            status = "running" if self.large_writes % 2 else "complete"
+            started_ns = time.time_ns()
+            written = write_job(self.state, self.large, status, str(started_ns))
+            return {
+                "configmaps": written,
+                "started_ns": started_ns,
+                "write_seconds": (time.time_ns() - started_ns) / 1e9,
+            }
+        return {"error": f"unknown command {name!r}"}
+
+    async def _churn(self, scope: trio.CancelScope, rate: float) -> None:
+        """Rewrite job ConfigMaps (a new `sid` each time) at `rate` changes per second."""
+        with scope:
+            started = trio.current_time()
+            done = 0
+            while True:
+                due = int((trio.current_time() - started) * rate)
+                while done < due:
+                    job = self.jobs[done % len(self.jobs)]
+                    name = job.configmap_name(0)
+                    data = dict(self.state.get(job.namespace, name).data)
+                    data["sid"] = str(time.time_ns())
+                    self.state.update_configmap(job.namespace, name, data=data)
+                    done += 1
+                    self.changes += 1
+                await trio.sleep(0.002)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--history", type=int, default=1_000_000)
+    parser.add_argument("--deadline", type=float, default=600.0)
+    args = parser.parse_args()
+    setup_child(args.deadline)
+    trio.run(Cluster(args).main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,892 @@
+"""The Markdown report and PNG plots from the results of one benchmark run."""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.profiling import ProfileSummary, summarize_cprofile, summarize_speedscope
+
+REPORT_NAME = "REPORT.md"
+FINDINGS = Path(__file__).resolve().parent / "FINDINGS.md"
+
+# Row labels of the summary table, one per scenario (the smoke test checks them).
+SCENARIO_ROWS = (
+    "Fan-out",
+    "Latency",
+    "End to end",
+    "Memory",
+    "Large job",
+    "Ingest",
+    "Slow clients",
+)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(v for v in values if not math.isnan(v))
+    if not ordered:
+        return math.nan
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _num(value: float | None, digits: int = 0, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    text = f"{value:,.{digits}f}"
+    return f"{text} {unit}".rstrip()
+
+
+def _spread(values: list[float], digits: int = 0, unit: str = "") -> str:
+    """median (min–max) of the repetitions."""
+    if not values:
+        return "—"
+    median = _num(_median(values), digits, unit)
+    if len(values) == 1:
+        return median
+    return f"{median} ({_num(min(values), digits)}–{_num(max(values), digits)})"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    if not ours or not theirs or math.isnan(ours) or math.isnan(theirs):
+        return "—"
+    return f"{ours / theirs:.2f}x"
+
+
+def _kb(value: float) -> float:
+    return value / 1000
+
+
+def _mb(value: float) -> float:
+    return value / 1e6
+
+
+def _latency_cells(row: dict[str, Any]) -> list[str]:
+    return [
+        f"{row['samples']:,}",
+        _num(row["p50_ms"], 2),
+        _num(row["p99_ms"], 2),
+        _num(row["max_ms"], 2),
+    ]
+
+
+@dataclass
+class Target:
+    name: str
+    measured: str
+    met: bool | None  # None: not measured in this run
+    margin: str
+
+
+def _check_at_least(name: str, value: float | None, goal: float, unit: str, digits: int) -> Target:
+    if value is None or math.isnan(value):
+        return Target(name, "—", None, "not measured")
+    met = value >= goal
+    margin = (value / goal - 1) * 100
+    return Target(name, _num(value, digits, unit), met, f"{margin:+.0f} % vs. {goal:g} {unit}")
+
+
+def _check_below(name: str, value: float | None, goal: float, unit: str, digits: int) -> Target:
+    if value is None or math.isnan(value):
+        return Target(name, "—", None, "not measured")
+    met = value < goal
+    margin = (1 - value / goal) * 100
+    word = "headroom" if met else "over"
+    return Target(
+        name, _num(value, digits, unit), met, f"{abs(margin):.0f} % {word} ({goal:g} {unit})"
+    )
+
+
+def _get(results: dict[str, Any], *path: str) -> Any:
+    node: Any = results
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+class Report:
+    def __init__(self, results: dict[str, Any], out: Path) -> None:
+        self.r = results
+        self.out = out
+        self.lines: list[str] = []
+        self.quick = bool(results.get("quick"))
+        self.errors: dict[str, str] = results.get("errors", {})
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def table(self, header: list[str], rows: list[list[str]]) -> None:
+        self.add("| " + " | ".join(header) + " |", "|" + "---|" * len(header))
+        for row in rows:
+            self.add("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+        self.add("")
+
+    # -- figures ---------------------------------------------------------------
+
+    def fanout_rate(self, kind: str, count: int) -> float | None:
+        rows = _get(self.r, "fanout", kind, str(count))
+        return _median(rows["rate"]) if rows else None
+
+    def largest_fanout_at_most(self, count: int) -> int | None:
+        sizes = [int(n) for n in self.r.get("sizes", {}).get("fanout", []) if int(n) <= count]
+        return max(sizes) if sizes else None
+
+    def slow_loss(self, kind: str) -> float | None:
+        phases = _get(self.r, "slow", kind)
+        if not phases:
+            return None
+        base = _median(phases["all_reading"]["rate"])
+        stuck = _median(phases["with_stuck"]["rate"])
+        return (1 - stuck / base) * 100 if base else None
+
+    # -- sections ----------------------------------------------------------------
+
+    def build(self) -> str:
+        r = self.r
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        mode = (
+            "`python -m bench --quick` (tiny sizes: figures are NOT meaningful)"
+            if self.quick
+            else "`python -m bench` (`nox -s bench`)"
+        )
+        self.add(
+            "# jobsignal benchmark: jobsignal vs. an idiomatic grpc.aio server",
+            "",
+            f"Generated {when} by {mode} in {r.get('elapsed_seconds', 0):.0f} s.",
+            "Regenerate with `nox -s bench` (about ten minutes on two cores) or"
+            " `python -m bench --quick` (seconds, for the smoke test).",
+            "",
+        )
+        if self.errors:
+            self.add("**Some scenarios failed in this run:**", "")
+            for name, error in self.errors.items():
+                self.add(f"- scenario failed: `{name}`: {error}")
+            self.add("")
+        self.machine()
+        self.summary()
+        self.targets()
+        self.details()
+        self.profile()
+        self.method()
+        if FINDINGS.exists():
+            self.add(FINDINGS.read_text().rstrip(), "")
+        return "\n".join(self.lines) + "\n"
+
+    def machine(self) -> None:
+        m = self.r.get("machine", {})
+        packages = ", ".join(f"{k} {v}" for k, v in m.get("packages", {}).items())
+        load_start = m.get("load_average_start", [math.nan] * 3)
+        load_end = m.get("load_average_end", [math.nan] * 3)
+        dirty = m.get("dirty_jobsignal_files") or []
+        source = m.get("commit", "?") + (
+            f" with uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)"
+        )
+        self.add("## Machine", "")
+        self.table(
+            ["", ""],
+            [
+                ["CPU", f"{m.get('nproc')} cores usable ({m.get('cpu_model')})"],
+                ["Memory", f"{m.get('memory_bytes', 0) / 2**30:.1f} GiB"],
+                ["Kernel", str(m.get("kernel"))],
+                ["Python", f"{m.get('implementation')} {m.get('python')}"],
+                ["Packages", packages],
+                ["jobsignal source", source],
+                [
+                    "Load average (1 min)",
+                    f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end"
+                    " (the machine is shared: other work competes for the same cores)",
+                ],
+            ],
+        )
+
+    def summary(self) -> None:
+        r = self.r
+        self.add(
+            "## Summary",
+            "",
+            "Medians over the repetitions (min–max in the detail tables). The ratio is"
+            " jobsignal ÷ reference of the figure in the row: above 1 is better for"
+            " throughput, below 1 is better for latency, time and memory.",
+            "",
+        )
+        rows: list[list[str]] = []
+        fanout_sizes = [int(n) for n in r.get("sizes", {}).get("fanout", [])]
+        for count in fanout_sizes:
+            ours, theirs = (
+                self.fanout_rate("jobsignal", count),
+                self.fanout_rate("reference", count),
+            )
+            target = "≥ 40,000 msg/s and ≥ 1.0x reference" if count == 1000 else ""
+            rows.append(
+                [
+                    f"Fan-out, {count:,} subscribers",
+                    "delivered msg/s (higher is better)",
+                    _num(ours, 0),
+                    _num(theirs, 0),
+                    _ratio(ours, theirs),
+                    target,
+                ]
+            )
+            cost_ours = _get(r, "fanout", "jobsignal", str(count), "us_per_msg")
+            cost_theirs = _get(r, "fanout", "reference", str(count), "us_per_msg")
+            if cost_ours and cost_theirs:
+                a, b = _median(cost_ours), _median(cost_theirs)
+                rows.append(
+                    [
+                        f"Fan-out, {count:,} subscribers",
+                        "server CPU µs per delivered msg (lower is better)",
+                        _num(a, 1),
+                        _num(b, 1),
+                        _ratio(a, b),
+                        "",
+                    ]
+                )
+        if not fanout_sizes:
+            rows.append(["Fan-out", "not run", "—", "—", "—", ""])
+        lat = r.get("latency", {})
+        subs = r.get("sizes", {}).get("latency_subs")
+        rate = r.get("sizes", {}).get("latency_rate")
+        for key, label in (("p50_ms", "p50"), ("p99_ms", "p99"), ("max_ms", "max")):
+            ours, theirs = _get(lat, "jobsignal", key), _get(lat, "reference", key)
+            rows.append(
+                [
+                    f"Latency, {subs} subscribers, {rate:g} events/s",
+                    f"publish → arrival {label}, ms",
+                    _num(ours, 2),
+                    _num(theirs, 2),
+                    _ratio(ours, theirs),
+                    "p99 < 50 ms" if key == "p99_ms" else "",
+                ]
+            )
+        e2e = _get(r, "e2e", "jobsignal") or {}
+        for key, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
+            rows.append(
+                [
+                    f"End to end, {r.get('sizes', {}).get('e2e_subs')} subscribers",
+                    f"ConfigMap write → arrival {label}, ms",
+                    _num(e2e.get(key), 2),
+                    "— (no watcher)",
+                    "—",
+                    "p50 < 5 ms" if key == "p50_ms" else "",
+                ]
+            )
+        mem = r.get("memory", {})
+        ours = _get(mem, "jobsignal", "per_subscriber_bytes")
+        theirs = _get(mem, "reference", "per_subscriber_bytes")
+        rows.append(
+            [
+                f"Memory, {r.get('sizes', {}).get('memory_subs', 0):,} idle subscribers",
+                "server RSS per subscriber, KB",
+                _num(_kb(ours), 1) if ours is not None else "—",
+                _num(_kb(theirs), 1) if theirs is not None else "—",
+                _ratio(ours, theirs),
+                "< 40 KB",
+            ]
+        )
+        large = r.get("large", {})
+        e2e_reps = _get(large, "e2e", "reps") or []
+        npus = _get(large, "e2e", "npus")
+        large_label = f"Large job, {npus:,} NPUs" if npus else "Large job"
+        rows.append(
+            [
+                f"{large_label}, {r.get('sizes', {}).get('large_subs')} subscribers",
+                "ConfigMap writes → last subscriber has it, s",
+                _num(_median([x["all_delivered_s"] for x in e2e_reps]), 3),
+                "— (no watcher)",
+                "—",
+                "< 1 s",
+            ]
+        )
+        direct = large.get("direct", {})
+        ours = _median([x["all_delivered_s"] for x in _get(direct, "jobsignal", "reps") or []])
+        theirs = _median([x["all_delivered_s"] for x in _get(direct, "reference", "reps") or []])
+        rows.append(
+            [
+                f"{large_label}, {r.get('sizes', {}).get('large_subs')} subscribers",
+                "publish → last subscriber has it, s",
+                _num(ours, 3),
+                _num(theirs, 3),
+                _ratio(ours, theirs),
+                "",
+            ]
+        )
+        peak = _get(large, "e2e", "peak_rss_bytes")
+        rows.append(
+            [
+                f"{large_label}",
+                "server peak RSS (through the watcher), MB",
+                _num(_mb(peak), 0) if peak else "—",
+                "—",
+                "—",
+                "",
+            ]
+        )
+        ingest = r.get("ingest", {})
+        rows.append(
+            [
+                f"Ingest, initial LIST of {ingest.get('configmaps', 0):,} ConfigMaps",
+                "start of LIST → store loaded, s",
+                _num(_median(ingest.get("list_seconds", [])), 2),
+                "— (no watcher)",
+                "—",
+                "< 2 s",
+            ]
+        )
+        rows.append(
+            [
+                f"Ingest, {ingest.get('rate_asked', 0):,.0f} ConfigMap changes/s asked",
+                "job events published/s (server CPU, cores)",
+                f"{_num(_median(ingest.get('events_per_s', [])), 0)}"
+                f" ({_num(_median(ingest.get('server_cpu', [])), 2)})",
+                "— (no watcher)",
+                "—",
+                "",
+            ]
+        )
+        stuck = r.get("sizes", {}).get("slow_stuck")
+        total = r.get("sizes", {}).get("slow_subs")
+        ours, theirs = self.slow_loss("jobsignal"), self.slow_loss("reference")
+        rows.append(
+            [
+                f"Slow clients, {stuck} of {total} stop reading",
+                "delivery rate lost by the others, %",
+                _num(ours, 1),
+                _num(theirs, 1),
+                "—",
+                "< 10 %",
+            ]
+        )
+        self.table(["Scenario", "Figure", "jobsignal", "reference", "ratio", "target"], rows)
+        self.plots_inline()
+
+    def targets(self) -> None:
+        r = self.r
+        checks: list[Target] = []
+        at_1000 = 1000 if 1000 in [int(n) for n in r.get("sizes", {}).get("fanout", [])] else None
+        ours = self.fanout_rate("jobsignal", at_1000) if at_1000 else None
+        theirs = self.fanout_rate("reference", at_1000) if at_1000 else None
+        checks.append(
+            _check_at_least(
+                "Fan-out 1,000 subscribers ≥ 40,000 delivered msg/s", ours, 40_000, "msg/s", 0
+            )
+        )
+        ratio = ours / theirs if ours and theirs else None
+        checks.append(
+            _check_at_least("Fan-out 1,000 subscribers ≥ 1.0x reference", ratio, 1.0, "x", 2)
+        )
+        checks.append(
+            _check_below(
+                "Latency p99 < 50 ms (1,000 subscribers, 20 events/s)",
+                _get(r, "latency", "jobsignal", "p99_ms"),
+                50,
+                "ms",
+                2,
+            )
+        )
+        checks.append(
+            _check_below("End-to-end p50 < 5 ms", _get(r, "e2e", "jobsignal", "p50_ms"), 5, "ms", 2)
+        )
+        per_sub = _get(r, "memory", "jobsignal", "per_subscriber_bytes")
+        checks.append(
+            _check_below(
+                "10,000 idle subscribers < 40 KB RSS each",
+                _kb(per_sub) if per_sub is not None else None,
+                40,
+                "KB",
+                1,
+            )
+        )
+        reps = _get(r, "large", "e2e", "reps") or []
+        checks.append(
+            _check_below(
+                "Large job to 20 subscribers < 1 s",
+                _median([x["all_delivered_s"] for x in reps]) if reps else None,
+                1,
+                "s",
+                3,
+            )
+        )
+        lists = _get(r, "ingest", "list_seconds") or []
+        checks.append(
+            _check_below(
+                "Initial LIST of 10,000 ConfigMaps applied < 2 s",
+                _median(lists) if lists else None,
+                2,
+                "s",
+                2,
+            )
+        )
+        checks.append(
+            _check_below(
+                "Slow clients cost the others < 10 % of delivery rate",
+                self.slow_loss("jobsignal"),
+                10,
+                "%",
+                1,
+            )
+        )
+        self.add("## Targets (jobsignal)", "")
+        if self.quick:
+            self.add("Quick run: sizes are tiny, so the verdicts below mean nothing.", "")
+        rows = []
+        for check in checks:
+            verdict = (
+                "not measured" if check.met is None else ("met" if check.met else "**missed**")
+            )
+            rows.append([check.name, check.measured, verdict, check.margin])
+        self.table(["Target", "Measured", "Verdict", "Margin"], rows)
+
+    def details(self) -> None:
+        r = self.r
+        self.add("## Details", "")
+        fanout = r.get("fanout")
+        if fanout:
+            self.add(
+                "### Fan-out",
+                "",
+                "Events published as fast as the subscribers' queues drain (a batch of"
+                f" {r['sizes']['flood_batch']} whenever the 95th percentile of the queues"
+                f" holds fewer than {r['sizes']['flood_threshold']}). Delivered = messages"
+                " received by the clients per second. CPU in cores (1.0 = one core busy).",
+                "",
+            )
+            rows = []
+            for count in r["sizes"]["fanout"]:
+                for kind in ("jobsignal", "reference"):
+                    row = _get(fanout, kind, str(count))
+                    if not row:
+                        continue
+                    rows.append(
+                        [
+                            f"{count:,}",
+                            kind,
+                            _spread(row["rate"]),
+                            _spread(row["server_cpu"], 2),
+                            _spread(row["us_per_msg"], 1),
+                            _spread(row["client_cpu"], 2) + f" in {row['clients']}",
+                            _spread(row["client_us_per_msg"], 1),
+                            _num(_mb(row["rss_bytes"]), 0),
+                            str(row.get("coalesced", 0)),
+                            str(sum(row.get("ended", {}).values())),
+                        ]
+                    )
+            self.table(
+                [
+                    "Subscribers",
+                    "Server",
+                    "Delivered msg/s",
+                    "Server CPU",
+                    "Server µs/msg",
+                    "Client CPU (processes)",
+                    "Client µs/msg",
+                    "Server RSS MB",
+                    "Coalesced",
+                    "Streams ended",
+                ],
+                rows,
+            )
+        lat = r.get("latency")
+        if lat:
+            self.add("### Latency (fixed rate)", "")
+            rows = []
+            for kind in ("jobsignal", "reference"):
+                row = lat.get(kind)
+                if row:
+                    rows.append(
+                        [
+                            kind,
+                            f"{row['samples']:,}",
+                            _num(row["p50_ms"], 2),
+                            _num(row["p99_ms"], 2),
+                            _num(row["max_ms"], 2),
+                            ", ".join(_num(x["p99_ms"], 2) for x in row["per_rep"]),
+                            _spread(row["server_cpu"], 2),
+                        ]
+                    )
+            self.table(
+                [
+                    "Server",
+                    "Samples",
+                    "p50 ms",
+                    "p99 ms",
+                    "max ms",
+                    "p99 per repetition",
+                    "Server CPU",
+                ],
+                rows,
+            )
+        e2e = _get(r, "e2e", "jobsignal")
+        if e2e:
+            w = e2e["watch_to_publish"]
+            self.add(
+                "### End to end (jobsignal only)",
+                "",
+                "A ConfigMap rewritten in the Kubernetes API emulator (its own process,"
+                f" {r['sizes']['e2e_rate']:g} changes/s) travels through the emulator's WATCH,"
+                " jobsignal's watcher, job store and broadcaster to each subscriber. The"
+                " reference server has no Kubernetes watcher, so it has no figure here.",
+                "",
+            )
+            self.table(
+                ["Stage", "Samples", "p50 ms", "p99 ms", "max ms"],
+                [
+                    ["ConfigMap write → subscriber", *_latency_cells(e2e)],
+                    ["ConfigMap write → broadcaster.publish", *_latency_cells(w)],
+                ],
+            )
+            self.add(
+                f"Server CPU {e2e['server_cpu']:.2f} cores, emulator {e2e['cluster_cpu']:.2f}.",
+                "",
+            )
+        mem = r.get("memory")
+        if mem:
+            self.add(
+                "### Memory with idle subscribers",
+                "",
+                "Each subscriber has its own HTTP/2 connection (as separate client programs"
+                " would), so the figure includes the per-connection cost.",
+                "",
+            )
+            rows = []
+            for kind in ("jobsignal", "reference"):
+                row = mem.get(kind)
+                if row:
+                    rows.append(
+                        [
+                            kind,
+                            f"{row['subscribers']:,}",
+                            _num(_mb(row["baseline_bytes"]), 1),
+                            _num(_mb(row["rss_bytes"]), 1),
+                            _num(_kb(row["per_subscriber_bytes"]), 1),
+                            _num(row["connect_seconds"], 1),
+                        ]
+                    )
+            self.table(
+                [
+                    "Server",
+                    "Subscribers",
+                    "Baseline RSS MB",
+                    "RSS MB",
+                    "KB per subscriber",
+                    "Connect s",
+                ],
+                rows,
+            )
+        large = r.get("large")
+        if large:
+            self.add("### Large job", "")
+            e = large.get("e2e")
+            if e:
+                rows = [
+                    [
+                        str(i + 1),
+                        str(rep["configmaps"]),
+                        _num(rep["write_s"], 3),
+                        _num(rep["first_delivered_s"], 3),
+                        _num(rep["all_delivered_s"], 3),
+                    ]
+                    for i, rep in enumerate(e["reps"])
+                ]
+                self.add(
+                    f"Through the watcher: a {e['npus']:,}-NPU job's ConfigMaps written in the"
+                    f" emulator, reassembled by the store, delivered to {e['subscribers']}"
+                    " subscribers. Times from the first write. Server RSS"
+                    f" {_num(_mb(e['rss_before_bytes']), 0)} MB before, peak"
+                    f" {_num(_mb(e['peak_rss_bytes']), 0)} MB.",
+                    "",
+                )
+                self.table(
+                    ["Write", "ConfigMaps", "Writing s", "First subscriber s", "Last subscriber s"],
+                    rows,
+                )
+            direct = large.get("direct", {})
+            rows = []
+            for kind in ("jobsignal", "reference"):
+                row = direct.get(kind)
+                if row:
+                    rows.append(
+                        [
+                            kind,
+                            ", ".join(_num(x["all_delivered_s"], 3) for x in row["reps"]),
+                            _num(_mb(row["rss_before_bytes"]), 0),
+                            _num(_mb(row["peak_rss_bytes"]), 0),
+                        ]
+                    )
+            if rows:
+                self.add("Straight from the event source (both servers):", "")
+                self.table(
+                    ["Server", "Last subscriber s, per repetition", "RSS before MB", "Peak RSS MB"],
+                    rows,
+                )
+        ingest = r.get("ingest")
+        if ingest:
+            c = ingest["change_to_publish"]
+            self.add(
+                "### Ingest (jobsignal only)",
+                "",
+                f"Initial LIST of {ingest['configmaps']:,} job ConfigMaps (paged, 500 per page)"
+                " from the emulator, then a steady stream of ConfigMap changes through WATCH.",
+                "",
+            )
+            lists = ", ".join(_num(x, 2) for x in ingest["list_seconds"])
+            replaces = ", ".join(_num(x, 2) for x in ingest["replace_all_seconds"])
+            change = f"{_num(c['p50_ms'], 2)} / {_num(c['p99_ms'], 2)}"
+            self.table(
+                ["Figure", "Value"],
+                [
+                    ["LIST → store loaded, s (per start)", lists],
+                    ["of which JobStore.replace_all, s", replaces],
+                    [
+                        "changes/s written by the emulator's driver",
+                        _spread(ingest["changes_per_s"]),
+                    ],
+                    ["job events/s published", _spread(ingest["events_per_s"])],
+                    ["server CPU, cores", _spread(ingest["server_cpu"], 2)],
+                    ["emulator CPU, cores", _spread(ingest["cluster_cpu"], 2)],
+                    ["change → publish p50 / p99 ms", change],
+                    ["JobStore.apply µs per change", _num(ingest["apply_us"], 0)],
+                    ["server RSS MB", _num(_mb(ingest["rss_bytes"]), 0)],
+                ],
+            )
+        slow = r.get("slow")
+        if slow:
+            stuck = r["sizes"]["slow_stuck"]
+            total = r["sizes"]["slow_subs"]
+            self.add(
+                "### Slow clients",
+                "",
+                f"{total:,} subscribers; in the second phase {stuck} of them stop reading."
+                f" Figures are for the other {total - stuck:,}: delivery rate under flood,"
+                f" then latency at {r['sizes']['latency_rate']:g} events/s.",
+                "",
+            )
+            rows = []
+            for kind in ("jobsignal", "reference"):
+                phases = slow.get(kind)
+                if not phases:
+                    continue
+                for phase, label in (
+                    ("all_reading", "all reading"),
+                    ("with_stuck", f"{stuck} stuck"),
+                ):
+                    row = phases[phase]
+                    ended = row["server_stats"].get("ended", {})
+                    rows.append(
+                        [
+                            kind,
+                            label,
+                            _spread(row["rate"]),
+                            _num(row["latency"]["p50_ms"], 2),
+                            _num(row["latency"]["p99_ms"], 2),
+                            _spread(row["server_cpu"], 2),
+                            _num(_mb(row["rss_bytes"]), 0),
+                            ", ".join(f"{k} {v}" for k, v in ended.items() if v) or "none",
+                        ]
+                    )
+            self.table(
+                [
+                    "Server",
+                    "Phase",
+                    "Others' msg/s",
+                    "p50 ms",
+                    "p99 ms",
+                    "Server CPU",
+                    "RSS MB",
+                    "Streams ended",
+                ],
+                rows,
+            )
+
+    def plots_inline(self) -> None:
+        names = [name for name in PLOTS if (self.out / name).exists()]
+        if names:
+            self.add(" ".join(f"![{name}]({name})" for name in names), "")
+
+    def profile(self) -> None:
+        info = self.r.get("profile")
+        self.add("## Where the time goes (jobsignal during fan-out)", "")
+        if not info or "skipped" in info or "file" not in info:
+            reason = (info or {}).get("skipped") or self.errors.get("profile", "not run")
+            self.add(f"No profile in this run ({reason}).", "")
+            return
+        path = self.out / info["file"]
+        summary: ProfileSummary
+        if info["tool"] == "py-spy":
+            summary = summarize_speedscope(path)
+            what = "share of samples"
+        else:
+            summary = summarize_cprofile(path)
+            what = "share of profiled time"
+        self.add(
+            f"{info['tool']} on the jobsignal server with {info['subscribers']:,} subscribers"
+            f" under flood ({_num(info['rate_while_profiling'], 0)} msg/s delivered while"
+            f" profiling; the profiler itself slows the server). Raw profile: `{info['file']}`"
+            " (open in speedscope.app)."
+            if info["tool"] == "py-spy"
+            else "",
+            "",
+        )
+        self.add("Self time (where the CPU is):", "")
+        self.table(
+            ["Function", what], [[name, f"{share * 100:.1f} %"] for name, share in summary.self_top]
+        )
+        self.add("Inclusive time (which paths cost most):", "")
+        self.table(
+            ["Function", what],
+            [[name, f"{share * 100:.1f} %"] for name, share in summary.inclusive_top],
+        )
+
+    def method(self) -> None:
+        self.add(
+            "## Method",
+            "",
+            "- Every server, load generator and the Kubernetes API emulator is a separate"
+            " process on 127.0.0.1; the orchestrator (`bench/run.py`) samples their CPU"
+            " (utime + stime, all threads) and RSS from `/proc`. Each child stops by itself"
+            " when its stdin closes, when its parent dies (`PR_SET_PDEATHSIG`) or at a hard"
+            " deadline.",
+            "- jobsignal runs its real gRPC server (`run_grpc_server`, grpclib on"
+            " trio-asyncio) and, for the watcher scenarios, its real `run_source` against the"
+            " emulator (`bench/jobsignal_server.py`). Its per-address connection and request"
+            " rate limits are lifted, because every benchmark client comes from 127.0.0.1.",
+            "- The reference (`bench/reference_server.py`) is job.Job on grpc.aio with"
+            " grpcio-tools stubs generated at run time: one task per stream, an asyncio.Queue"
+            " per subscriber (bounded at 1,024; a full queue drops the subscriber), `await"
+            " context.write(message)`, so protobuf serialises once per subscriber.",
+            "- Both servers publish the same jobs (2 servers x 8 NPUs each, built by ClusterD's"
+            " writer and jobsignal's store, about 1.7 KB on the wire) with the publish time in"
+            " `sid`; clients (`bench/loadgen.py`, grpc.aio, one channel and TCP connection per"
+            " subscriber) subtract it from their arrival time.",
+            "- Fan-out is measured at the clients, so on a two-core machine the Python grpcio"
+            " clients compete with the server for the same cores: the client cost per message"
+            " is reported next to the server's, and server CPU µs per delivered message is the"
+            " figure that does not depend on how fast the clients are.",
+            f"- Repetitions: {self.r.get('sizes', {}).get('reps')} measurement windows per"
+            " scenario on the same processes (memory: one measurement); latency percentiles"
+            " are over all samples of all windows (nearest rank).",
+            "",
+        )
+
+
+PLOTS = ("fanout.png", "latency.png", "memory.png", "slow.png")
+
+
+def _plots(results: dict[str, Any], out: Path) -> list[str]:
+    try:
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return []
+    written: list[str] = []
+    colors = {"jobsignal": "tab:blue", "reference": "tab:orange"}
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    fanout = results.get("fanout")
+    if fanout:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        for kind in ("jobsignal", "reference"):
+            sizes = sorted(int(n) for n in fanout.get(kind, {}))
+            if not sizes:
+                continue
+            rates = [fanout[kind][str(n)]["rate"] for n in sizes]
+            mids = [_median(x) for x in rates]
+            low = [m - min(x) for m, x in zip(mids, rates, strict=True)]
+            high = [max(x) - m for m, x in zip(mids, rates, strict=True)]
+            left.errorbar(
+                sizes, mids, yerr=[low, high], marker="o", label=kind, color=colors[kind], capsize=3
+            )
+            cost = [_median(fanout[kind][str(n)]["us_per_msg"]) for n in sizes]
+            right.plot(sizes, cost, marker="o", label=kind, color=colors[kind])
+        left.axhline(40_000, color="grey", linestyle="--", linewidth=1, label="target at 1,000")
+        left.set(
+            xscale="log",
+            xlabel="subscribers",
+            ylabel="delivered messages/s",
+            title="Fan-out throughput",
+        )
+        right.set(
+            xscale="log",
+            yscale="log",
+            xlabel="subscribers",
+            ylabel="server CPU µs per delivered message",
+            title="Server cost per message",
+        )
+        left.legend()
+        right.legend()
+        save(fig, "fanout.png")
+    latency = results.get("latency")
+    if latency:
+        fig, axis = plt.subplots(figsize=(7, 4))
+        series = [(k, latency.get(k)) for k in ("jobsignal", "reference")]
+        series.append(("jobsignal end to end", _get(results, "e2e", "jobsignal")))
+        for name, row in series:
+            if not row or not row.get("histogram_ms", {}).get("counts"):
+                continue
+            hist = row["histogram_ms"]
+            total = sum(hist["counts"]) or 1
+            cumulative = []
+            running = 0.0
+            for count in hist["counts"]:
+                running += count
+                cumulative.append(running / total)
+            axis.plot(hist["edges_ms"][1:], cumulative, label=name)
+        axis.axvline(50, color="grey", linestyle="--", linewidth=1, label="50 ms")
+        axis.set(
+            xscale="log",
+            xlabel="latency, ms",
+            ylabel="fraction of messages",
+            title="Latency CDF (fixed rate)",
+        )
+        axis.legend()
+        save(fig, "latency.png")
+    memory = results.get("memory")
+    if memory:
+        fig, axis = plt.subplots(figsize=(5, 4))
+        kinds = [k for k in ("jobsignal", "reference") if k in memory]
+        values = [memory[k]["per_subscriber_bytes"] / 1000 for k in kinds]
+        axis.bar(kinds, values, color=[colors[k] for k in kinds])
+        axis.axhline(40, color="grey", linestyle="--", linewidth=1, label="target 40 KB")
+        axis.set(ylabel="server RSS per idle subscriber, KB", title="Memory per subscriber")
+        axis.legend()
+        save(fig, "memory.png")
+    slow = results.get("slow")
+    if slow:
+        fig, axis = plt.subplots(figsize=(6, 4))
+        kinds = [k for k in ("jobsignal", "reference") if k in slow]
+        width = 0.38
+        for offset, phase, label in (
+            (-width / 2, "all_reading", "all reading"),
+            (width / 2, "with_stuck", "some stuck"),
+        ):
+            values = [_median(slow[k][phase]["rate"]) for k in kinds]
+            axis.bar([i + offset for i in range(len(kinds))], values, width, label=label)
+        axis.set_xticks(range(len(kinds)), kinds)
+        axis.set(ylabel="others' delivered messages/s", title="Slow clients")
+        axis.legend()
+        save(fig, "slow.png")
+    return written
+
+
+def write_report(results: dict[str, Any], out: Path) -> Path:
+    for name in PLOTS:
+        (out / name).unlink(missing_ok=True)
+    _plots(results, out)
+    text = Report(results, out).build()
+    path = out / REPORT_NAME
+    path.write_text(text)
+    return path
+
+
+__all__ = ["SCENARIO_ROWS", "write_report"]

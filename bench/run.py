@@ -1,0 +1,733 @@
+"""`python -m bench [--quick] [--out DIR]`: run every scenario, then write the report.
+
+The orchestrator (this process) starts every server, load generator and
+cluster as a separate process on 127.0.0.1, talks to them over pipes
+(bench/common.py), samples their CPU and memory from /proc, and stops them.
+Each scenario runs in its own set of processes; a failing scenario is
+recorded in the report and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import machine
+from bench.common import STUBS_ENV, generate_stubs
+from bench.procs import REPO, Child, ChildError, CpuMeter, wait_for
+
+SERVERS = ("jobsignal", "reference")
+SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.reference_server"}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big and how long every scenario is."""
+
+    reps: int
+    warmup: float
+    window: float
+    fanout: tuple[int, ...]
+    latency_subs: int
+    latency_rate: float
+    latency_window: float
+    e2e_subs: int
+    e2e_rate: float
+    memory_subs: int
+    large_servers: int
+    large_per_cm: int
+    large_subs: int
+    ingest_configmaps: int
+    ingest_rate: float
+    slow_subs: int
+    slow_stuck: int
+    profile_subs: int
+    profile_seconds: float
+    # Subscribers per load-generator process, and the fewest processes used.
+    per_client: int = 1250
+    min_clients: int = 2
+    # Flood driver: publish a batch while the 95th percentile of the queues is
+    # below the threshold.
+    flood_threshold: int = 128
+    flood_batch: int = 16
+    # Hard deadline of every child process, seconds.
+    deadline: float = 300.0
+
+
+FULL = Sizes(
+    reps=3,
+    warmup=1.5,
+    window=3.0,
+    fanout=(10, 100, 1000, 5000),
+    latency_subs=1000,
+    latency_rate=20.0,
+    latency_window=5.0,
+    e2e_subs=100,
+    e2e_rate=20.0,
+    memory_subs=10_000,
+    large_servers=5000,
+    large_per_cm=1000,
+    large_subs=20,
+    ingest_configmaps=10_000,
+    ingest_rate=2000.0,
+    slow_subs=1000,
+    slow_stuck=10,
+    profile_subs=1000,
+    profile_seconds=6.0,
+)
+
+QUICK = Sizes(
+    reps=1,
+    warmup=0.2,
+    window=0.4,
+    fanout=(3,),
+    latency_subs=4,
+    latency_rate=20.0,
+    latency_window=0.4,
+    e2e_subs=2,
+    e2e_rate=20.0,
+    memory_subs=8,
+    large_servers=40,
+    large_per_cm=10,
+    large_subs=2,
+    ingest_configmaps=100,
+    ingest_rate=200.0,
+    slow_subs=4,
+    slow_stuck=1,
+    profile_subs=0,
+    profile_seconds=0.0,
+    min_clients=1,
+    deadline=120.0,
+)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if not ordered:
+        return math.nan
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def latency_summary(samples_ns: list[int]) -> dict[str, Any]:
+    """p50 / p99 / max in milliseconds (nearest rank) of latencies in nanoseconds."""
+    if not samples_ns:
+        return {"samples": 0, "p50_ms": math.nan, "p99_ms": math.nan, "max_ms": math.nan}
+    ordered = sorted(samples_ns)
+    count = len(ordered)
+
+    def rank(q: float) -> float:
+        return ordered[min(count - 1, max(0, math.ceil(q * count) - 1))] / 1e6
+
+    return {
+        "samples": count,
+        "p50_ms": rank(0.50),
+        "p99_ms": rank(0.99),
+        "max_ms": ordered[-1] / 1e6,
+    }
+
+
+class Bench:
+    def __init__(self, sizes: Sizes, out: Path, work: Path, log: Callable[[str], None]) -> None:
+        self.sizes = sizes
+        self.out = out
+        self.work = work
+        self.log = log
+        self.log_dir = out / "logs"
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        self.log_dir.mkdir(parents=True)
+        stubs = work / "stubs"
+        stubs.mkdir()
+        generate_stubs(stubs)
+        self.env = {
+            **os.environ,
+            STUBS_ENV: str(stubs),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.results: dict[str, Any] = {"sizes": dataclasses.asdict(sizes), "errors": {}}
+        self._children = 0
+
+    # -- processes -----------------------------------------------------------
+
+    def child(self, name: str, module: str, *args: str) -> Child:
+        self._children += 1
+        child = Child(
+            f"{self._children:03d}-{name}",
+            module,
+            [*args, "--deadline", str(self.sizes.deadline)],
+            env=self.env,
+            log_dir=self.log_dir,
+        )
+        child.wait_ready()
+        return child
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[list[Child]]:
+        """A list to put children in; all of them are stopped on exit."""
+        children: list[Child] = []
+        try:
+            yield children
+        finally:
+            for child in reversed(children):
+                child.stop()
+
+    def server(self, children: list[Child], kind: str, *args: str) -> Child:
+        server = self.child(kind, SERVER_MODULES[kind], *args)
+        children.append(server)
+        return server
+
+    def cluster(self, children: list[Child]) -> Child:
+        cluster = self.child("cluster", "bench.cluster")
+        children.append(cluster)
+        return cluster
+
+    def clients(
+        self, children: list[Child], server: Child, count: int, *, stall: int = 0
+    ) -> list[Child]:
+        """`count` subscribers over several load-generator processes; waits until
+        the server has all of them."""
+        sizes = self.sizes
+        processes = min(count, max(sizes.min_clients, math.ceil(count / sizes.per_client)))
+        target = f"127.0.0.1:{server.ready['port']}"
+        started: list[Child] = []
+        for index in range(processes):
+            share = count // processes + (1 if index < count % processes else 0)
+            stall_share = stall // processes + (1 if index < stall % processes else 0)
+            client = self.child(
+                "loadgen",
+                "bench.loadgen",
+                "--target",
+                target,
+                "--count",
+                str(share),
+                "--stall",
+                str(stall_share),
+            )
+            children.append(client)
+            started.append(client)
+        baseline = int(server.request({"cmd": "stats"})["subscribers"])
+
+        def subscribed() -> bool:
+            for client in started:
+                reply = client.request({"cmd": "count"})
+                if reply["failed"]:
+                    raise ChildError(f"{client.name}: subscriptions failed: {reply['errors']}")
+            have = int(server.request({"cmd": "stats"})["subscribers"])
+            return have - baseline >= count
+
+        wait_for(subscribed, f"{count} subscriptions", timeout=30 + count / 50)
+        return started
+
+    # -- measurements --------------------------------------------------------
+
+    @staticmethod
+    def received(clients: list[Child]) -> tuple[int, int]:
+        """Messages received so far: (by reading subscribers, by stalled ones)."""
+        total = stalled = 0
+        for client in clients:
+            reply = client.request({"cmd": "count"})
+            total += int(reply["received"])
+            stalled += int(reply["stalled_received"])
+        return total, stalled
+
+    def delivery_windows(self, server: Child, clients: list[Child]) -> dict[str, list[float]]:
+        """Per window: delivered msg/s (reading subscribers), CPU of server and clients."""
+        rows: dict[str, list[float]] = {
+            "rate": [],
+            "server_cpu": [],
+            "client_cpu": [],
+            "us_per_msg": [],
+            "client_us_per_msg": [],
+        }
+        for _ in range(self.sizes.reps):
+            server_meter = CpuMeter([server.pid])
+            client_meter = CpuMeter([client.pid for client in clients])
+            server_meter.start()
+            client_meter.start()
+            before, _ = self.received(clients)
+            started = time.perf_counter()
+            time.sleep(self.sizes.window)
+            after, _ = self.received(clients)
+            elapsed = time.perf_counter() - started
+            server_cpu = server_meter.stop()[0]
+            client_cpu = sum(client_meter.stop())
+            rate = (after - before) / elapsed
+            rows["rate"].append(rate)
+            rows["server_cpu"].append(server_cpu)
+            rows["client_cpu"].append(client_cpu)
+            rows["us_per_msg"].append(server_cpu * 1e6 / rate if rate else math.nan)
+            rows["client_us_per_msg"].append(client_cpu * 1e6 / rate if rate else math.nan)
+        return rows
+
+    def latency_window(self, clients: list[Child], seconds: float) -> list[int]:
+        """Latencies (ns) of every message the reading subscribers got in `seconds`."""
+        self.reset_latencies(clients)
+        time.sleep(seconds)
+        return self.collect_latencies(clients)
+
+    @staticmethod
+    def reset_latencies(clients: list[Child]) -> None:
+        for client in clients:
+            client.request({"cmd": "lat_reset"})
+
+    def collect_latencies(self, clients: list[Child]) -> list[int]:
+        """Latencies (ns) of the messages received since `reset_latencies`."""
+        samples: list[int] = []
+        for index, client in enumerate(clients):
+            path = self.work / f"latency-{index}.bin"
+            reply = client.request({"cmd": "lat_dump", "path": str(path)})
+            values = array("q")
+            with path.open("rb") as source:
+                values.fromfile(source, int(reply["samples"]))
+            samples.extend(values)
+            path.unlink()
+        return samples
+
+    def wait_delivered(self, clients: list[Child], before: int, what: str) -> None:
+        """Wait until every subscriber has one more message than `before` in total."""
+        subscribers = sum(int(client.request({"cmd": "count"})["started"]) for client in clients)
+        wait_for(
+            lambda: self.received(clients)[0] >= before + subscribers,
+            f"{what} at {subscribers} subscribers",
+            timeout=60,
+            interval=0.02,
+        )
+
+    def flood(self, server: Child) -> None:
+        server.request(
+            {
+                "cmd": "mode",
+                "mode": "flood",
+                "threshold": self.sizes.flood_threshold,
+                "batch": self.sizes.flood_batch,
+                "quantile": 0.95,
+            }
+        )
+
+    # -- scenarios -------------------------------------------------------------
+
+    def run_all(self, only: set[str] | None) -> None:
+        scenarios: list[tuple[str, Callable[[], None]]] = [
+            ("fanout", self.scenario_fanout),
+            ("latency", self.scenario_latency),
+            ("e2e", self.scenario_e2e),
+            ("memory", self.scenario_memory),
+            ("large", self.scenario_large),
+            ("ingest", self.scenario_ingest),
+            ("slow", self.scenario_slow),
+            ("profile", self.scenario_profile),
+        ]
+        for name, scenario in scenarios:
+            if only and name not in only:
+                continue
+            started = time.perf_counter()
+            self.log(f"scenario {name} ...")
+            try:
+                scenario()
+            except Exception as error:  # recorded in the report; the rest still runs
+                self.results["errors"][name] = f"{type(error).__name__}: {error}"
+                self.log(traceback.format_exc())
+            self.log(f"scenario {name} done in {time.perf_counter() - started:.1f}s")
+
+    def scenario_fanout(self) -> None:
+        """Events published as fast as the subscribers' queues drain."""
+        results: dict[str, dict[str, Any]] = {kind: {} for kind in SERVERS}
+        self.results["fanout"] = results
+        for count in self.sizes.fanout:
+            for kind in SERVERS:
+                with self.running() as children:
+                    server = self.server(children, kind)
+                    clients = self.clients(children, server, count)
+                    self.flood(server)
+                    time.sleep(self.sizes.warmup)
+                    rows: dict[str, Any] = self.delivery_windows(server, clients)
+                    server.request({"cmd": "mode", "mode": "idle"})
+                    stats = server.request({"cmd": "stats"})
+                    rows["rss_bytes"] = server.rss_bytes()
+                    rows["ended"] = stats.get("ended", {})
+                    rows["coalesced"] = stats.get("coalesced", 0)
+                    rows["clients"] = len(clients)
+                    results[kind][str(count)] = rows
+                    self.log(
+                        f"  fan-out {kind} {count}: {median(rows['rate']):,.0f} msg/s,"
+                        f" server {median(rows['server_cpu']):.2f} cores"
+                    )
+
+    def scenario_latency(self) -> None:
+        sizes = self.sizes
+        results: dict[str, Any] = {}
+        self.results["latency"] = results
+        for kind in SERVERS:
+            with self.running() as children:
+                server = self.server(children, kind)
+                clients = self.clients(children, server, sizes.latency_subs)
+                server.request({"cmd": "mode", "mode": "rate", "rate": sizes.latency_rate})
+                time.sleep(sizes.warmup)
+                pooled: list[int] = []
+                per_rep = []
+                cpu = []
+                for _ in range(sizes.reps):
+                    meter = CpuMeter([server.pid])
+                    meter.start()
+                    samples = self.latency_window(clients, sizes.latency_window)
+                    cpu.append(meter.stop()[0])
+                    per_rep.append(latency_summary(samples))
+                    pooled += samples
+                server.request({"cmd": "mode", "mode": "idle"})
+                summary = latency_summary(pooled)
+                summary["per_rep"] = per_rep
+                summary["server_cpu"] = cpu
+                summary["rss_bytes"] = server.rss_bytes()
+                summary["histogram_ms"] = _histogram(pooled)
+                results[kind] = summary
+                self.log(
+                    f"  latency {kind}: p50 {summary['p50_ms']:.2f} ms,"
+                    f" p99 {summary['p99_ms']:.2f} ms"
+                )
+
+    def scenario_e2e(self) -> None:
+        """ConfigMap write in the emulator -> watcher -> store -> subscriber."""
+        sizes = self.sizes
+        with self.running() as children:
+            cluster = self.cluster(children)
+            cluster.request({"cmd": "populate", "count": 64, "servers": 2})
+            server = self.server(
+                children, "jobsignal", "--source", "kube", "--kube-url", cluster.ready["url"]
+            )
+            clients = self.clients(children, server, sizes.e2e_subs)
+            cluster.request({"cmd": "mode", "mode": "churn", "rate": sizes.e2e_rate})
+            time.sleep(sizes.warmup)
+            pooled: list[int] = []
+            per_rep = []
+            server.request({"cmd": "reset_lags"})
+            meter = CpuMeter([server.pid, cluster.pid])
+            meter.start()
+            for _ in range(sizes.reps):
+                samples = self.latency_window(clients, sizes.latency_window)
+                per_rep.append(latency_summary(samples))
+                pooled += samples
+            server_cpu, cluster_cpu = meter.stop()
+            cluster.request({"cmd": "mode", "mode": "idle"})
+            lags = server.request({"cmd": "lags"})["lags_ns"]
+            summary = latency_summary(pooled)
+            summary["per_rep"] = per_rep
+            summary["watch_to_publish"] = latency_summary(lags)
+            summary["server_cpu"] = server_cpu
+            summary["cluster_cpu"] = cluster_cpu
+            summary["histogram_ms"] = _histogram(pooled)
+            self.results["e2e"] = {"jobsignal": summary}
+            self.log(f"  e2e: p50 {summary['p50_ms']:.2f} ms, p99 {summary['p99_ms']:.2f} ms")
+
+    def scenario_memory(self) -> None:
+        results: dict[str, Any] = {}
+        self.results["memory"] = results
+        count = self.sizes.memory_subs
+        for kind in SERVERS:
+            with self.running() as children:
+                server = self.server(children, kind)
+                time.sleep(1.0)
+                baseline = server.rss_bytes()
+                started = time.perf_counter()
+                self.clients(children, server, count)
+                connect_seconds = time.perf_counter() - started
+                time.sleep(2.0)
+                rss = server.rss_bytes()
+                results[kind] = {
+                    "subscribers": count,
+                    "baseline_bytes": baseline,
+                    "rss_bytes": rss,
+                    "per_subscriber_bytes": (rss - baseline) / count,
+                    "connect_seconds": connect_seconds,
+                }
+                self.log(
+                    f"  memory {kind}: {(rss - baseline) / count / 1024:.1f} KiB per subscriber"
+                )
+
+    def scenario_large(self) -> None:
+        sizes = self.sizes
+        results: dict[str, Any] = {}
+        self.results["large"] = results
+        npus = sizes.large_servers * 8
+        # Through the watcher: ConfigMap writes -> reassembled job at every subscriber.
+        with self.running() as children:
+            cluster = self.cluster(children)
+            server = self.server(
+                children, "jobsignal", "--source", "kube", "--kube-url", cluster.ready["url"]
+            )
+            clients = self.clients(children, server, sizes.large_subs)
+            time.sleep(0.5)
+            rss_before = server.rss_bytes()
+            reps = []
+            for rep in range(sizes.reps):
+                self.reset_latencies(clients)
+                before, _ = self.received(clients)
+                written = cluster.request(
+                    {
+                        "cmd": "large",
+                        "servers": sizes.large_servers,
+                        "servers_per_configmap": sizes.large_per_cm,
+                    },
+                    timeout=120,
+                )
+                self.wait_delivered(clients, before, f"the large job (write {rep})")
+                samples = self.collect_latencies(clients)
+                reps.append(
+                    {
+                        "all_delivered_s": max(samples) / 1e9,
+                        "first_delivered_s": min(samples) / 1e9,
+                        "configmaps": written["configmaps"],
+                        "write_s": written["write_seconds"],
+                    }
+                )
+            results["e2e"] = {
+                "npus": npus,
+                "subscribers": sizes.large_subs,
+                "reps": reps,
+                "rss_before_bytes": rss_before,
+                "peak_rss_bytes": server.peak_rss_bytes(),
+            }
+            self.log(
+                f"  large job e2e: {median([r['all_delivered_s'] for r in reps]):.3f} s"
+                f" to {sizes.large_subs} subscribers"
+            )
+        # Straight from the event source, for both servers.
+        direct: dict[str, Any] = {}
+        results["direct"] = direct
+        for kind in SERVERS:
+            with self.running() as children:
+                server = self.server(children, kind, "--large-servers", str(sizes.large_servers))
+                clients = self.clients(children, server, sizes.large_subs)
+                time.sleep(0.5)
+                rss_before = server.rss_bytes()
+                reps = []
+                for rep in range(sizes.reps):
+                    self.reset_latencies(clients)
+                    before, _ = self.received(clients)
+                    server.request({"cmd": "publish_large"})
+                    self.wait_delivered(clients, before, f"the large message ({kind}, {rep})")
+                    samples = self.collect_latencies(clients)
+                    reps.append({"all_delivered_s": max(samples) / 1e9})
+                direct[kind] = {
+                    "reps": reps,
+                    "rss_before_bytes": rss_before,
+                    "peak_rss_bytes": server.peak_rss_bytes(),
+                }
+                self.log(
+                    f"  large message {kind}: {median([r['all_delivered_s'] for r in reps]):.3f} s"
+                )
+
+    def scenario_ingest(self) -> None:
+        sizes = self.sizes
+        with self.running() as children:
+            cluster = self.cluster(children)
+            populated = cluster.request(
+                {"cmd": "populate", "count": sizes.ingest_configmaps, "servers": 2}, timeout=300
+            )
+            list_seconds = []
+            replace_seconds = []
+            server: Child | None = None
+            for rep in range(sizes.reps):
+                server = self.child(
+                    "jobsignal", SERVER_MODULES["jobsignal"], "--source", "kube", "--kube-url",
+                    cluster.ready["url"],
+                )  # fmt: skip
+                list_seconds.append(float(server.ready["list_seconds"]))
+                stats = server.request({"cmd": "stats"})
+                replace_seconds.append(float(stats["replace_all_seconds"][0]))
+                if stats["jobs"] != sizes.ingest_configmaps:
+                    raise ChildError(f"LIST loaded {stats['jobs']} jobs")
+                if rep < sizes.reps - 1:
+                    server.stop()
+            assert server is not None
+            children.append(server)
+            # Steady changes through WATCH.
+            cluster.request({"cmd": "mode", "mode": "churn", "rate": sizes.ingest_rate})
+            time.sleep(sizes.warmup)
+            server.request({"cmd": "reset_lags"})
+            rows: dict[str, list[float]] = {
+                "events_per_s": [],
+                "changes_per_s": [],
+                "server_cpu": [],
+                "cluster_cpu": [],
+            }
+            for _ in range(sizes.reps):
+                meter = CpuMeter([server.pid, cluster.pid])
+                meter.start()
+                published0 = server.request({"cmd": "stats"})["published"]
+                changes0 = cluster.request({"cmd": "stats"})["changes"]
+                started = time.perf_counter()
+                time.sleep(sizes.window)
+                published1 = server.request({"cmd": "stats"})["published"]
+                changes1 = cluster.request({"cmd": "stats"})["changes"]
+                elapsed = time.perf_counter() - started
+                server_cpu, cluster_cpu = meter.stop()
+                rows["events_per_s"].append((published1 - published0) / elapsed)
+                rows["changes_per_s"].append((changes1 - changes0) / elapsed)
+                rows["server_cpu"].append(server_cpu)
+                rows["cluster_cpu"].append(cluster_cpu)
+            cluster.request({"cmd": "mode", "mode": "idle"})
+            lags = server.request({"cmd": "lags"})["lags_ns"]
+            final = server.request({"cmd": "stats"})
+            self.results["ingest"] = {
+                "configmaps": populated["configmaps"],
+                "list_seconds": list_seconds,
+                "replace_all_seconds": replace_seconds,
+                "rate_asked": sizes.ingest_rate,
+                **rows,
+                "change_to_publish": latency_summary(lags),
+                "apply_us": final["apply_seconds"] * 1e6 / max(1, final["applied"]),
+                "rss_bytes": server.rss_bytes(),
+            }
+            self.log(
+                f"  ingest: LIST {median(list_seconds):.2f} s,"
+                f" {median(rows['events_per_s']):,.0f} events/s"
+            )
+
+    def scenario_slow(self) -> None:
+        sizes = self.sizes
+        results: dict[str, Any] = {}
+        self.results["slow"] = results
+        for kind in SERVERS:
+            with self.running() as children:
+                server = self.server(children, kind)
+                clients = self.clients(children, server, sizes.slow_subs, stall=sizes.slow_stuck)
+                phases: dict[str, Any] = {}
+                for phase in ("all_reading", "with_stuck"):
+                    if phase == "with_stuck":
+                        for client in clients:
+                            client.request({"cmd": "stall"})
+                    self.flood(server)
+                    time.sleep(sizes.warmup)
+                    rows: dict[str, Any] = self.delivery_windows(server, clients)
+                    server.request({"cmd": "mode", "mode": "rate", "rate": sizes.latency_rate})
+                    time.sleep(sizes.warmup)
+                    samples: list[int] = []
+                    for _ in range(sizes.reps):
+                        samples += self.latency_window(clients, sizes.latency_window / 2)
+                    server.request({"cmd": "mode", "mode": "idle"})
+                    rows["latency"] = latency_summary(samples)
+                    rows["server_stats"] = server.request({"cmd": "stats"})
+                    rows["rss_bytes"] = server.rss_bytes()
+                    phases[phase] = rows
+                results[kind] = phases
+                base = median(phases["all_reading"]["rate"])
+                stuck = median(phases["with_stuck"]["rate"])
+                self.log(f"  slow {kind}: {base:,.0f} -> {stuck:,.0f} msg/s for the others")
+
+    def scenario_profile(self) -> None:
+        """Where jobsignal's time goes during fan-out (py-spy if present, else cProfile)."""
+        sizes = self.sizes
+        if not sizes.profile_subs:
+            self.results["profile"] = {"skipped": "not in --quick"}
+            return
+        py_spy = shutil.which("py-spy") or shutil.which(
+            "py-spy", path=str(Path(sys.executable).parent)
+        )
+        with self.running() as children:
+            server = self.server(children, "jobsignal")
+            clients = self.clients(children, server, sizes.profile_subs)
+            self.flood(server)
+            time.sleep(sizes.warmup)
+            before, _ = self.received(clients)
+            started = time.perf_counter()
+            if py_spy:
+                path = self.out / "profile-jobsignal-fanout.speedscope.json"
+                command = [
+                    py_spy, "record", "--pid", str(server.pid), "--duration",
+                    str(int(sizes.profile_seconds)), "--rate", "200", "--format", "speedscope",
+                    "--output", str(path), "--nonblocking",
+                ]  # fmt: skip
+                import subprocess
+
+                done = subprocess.run(command, capture_output=True, text=True, check=False)
+                tool = "py-spy"
+                if done.returncode != 0 or not path.exists():
+                    raise ChildError(f"py-spy failed: {done.stderr.strip()[-500:]}")
+            else:
+                path = self.out / "profile-jobsignal-fanout.cprofile"
+                server.request({"cmd": "profile_start"})
+                time.sleep(sizes.profile_seconds)
+                server.request({"cmd": "profile_stop", "path": str(path)})
+                tool = "cProfile"
+            after, _ = self.received(clients)
+            rate = (after - before) / (time.perf_counter() - started)
+            server.request({"cmd": "mode", "mode": "idle"})
+            self.results["profile"] = {
+                "tool": tool,
+                "file": path.name,
+                "subscribers": sizes.profile_subs,
+                "rate_while_profiling": rate,
+            }
+
+
+def _histogram(samples_ns: list[int], bins: int = 60) -> dict[str, list[float]]:
+    """A compact log-spaced histogram of latencies, for the plots."""
+    if not samples_ns:
+        return {"edges_ms": [], "counts": []}
+    low = max(min(samples_ns) / 1e6, 0.01)
+    high = max(max(samples_ns) / 1e6, low * 1.01)
+    ratio = (high / low) ** (1 / bins)
+    edges = [low * ratio**i for i in range(bins + 1)]
+    counts = [0.0] * bins
+    scale = math.log(ratio)
+    for value in samples_ns:
+        ms = max(value / 1e6, low)
+        index = min(bins - 1, int(math.log(ms / low) / scale))
+        counts[index] += 1
+    return {"edges_ms": edges, "counts": counts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="jobsignal vs. a grpc.aio reference server"
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    parser.add_argument(
+        "--only", default="", help="comma-separated scenarios (fanout,latency,e2e,memory,...)"
+    )
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    only = {name.strip() for name in args.only.split(",") if name.strip()} or None
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    machine_info = machine.describe()
+    log(
+        f"bench: {'quick' if args.quick else 'full'} run on {machine_info['nproc']} cores"
+        f" ({machine_info['cpu_model']}), load {machine_info['load_average_start'][0]:.2f}"
+    )
+    with tempfile.TemporaryDirectory(prefix="jobsignal-bench-") as work:
+        bench = Bench(sizes, out, Path(work), log)
+        bench.results["machine"] = machine_info
+        bench.results["quick"] = args.quick
+        bench.run_all(only)
+    results = bench.results
+    results["machine"]["load_average_end"] = machine.load_average()
+    results["elapsed_seconds"] = time.perf_counter() - started
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    from bench.report import write_report
+
+    report = write_report(results, out)
+    log(f"bench: report at {report} ({results['elapsed_seconds']:.0f}s)")
+    return 1 if results["errors"] else 0

@@ -1,0 +1,53 @@
+"""Smoke test of the benchmark: `python -m bench --quick` runs every scenario and reports it.
+
+Tiny sizes, one repetition, output in a temporary directory. No timing is
+asserted: the figures of a quick run on a shared machine mean nothing; the
+point is that every scenario still runs end to end and lands in the report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# The summary table's first column starts with one of these per scenario.
+SCENARIO_ROWS = (
+    "Fan-out",
+    "Latency",
+    "End to end",
+    "Memory",
+    "Large job",
+    "Ingest",
+    "Slow clients",
+)
+PLOTS = ("fanout.png", "latency.png", "memory.png", "slow.png")
+
+
+def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["errors"] == {}
+    report = (out / "REPORT.md").read_text()
+    summary = report.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in summary.splitlines() if line.startswith("| ")]
+    for scenario in SCENARIO_ROWS:
+        assert any(row.startswith(f"| {scenario}") for row in rows), scenario
+    assert "scenario failed" not in report
+    for section in ("## Machine", "## Targets", "## Where the time goes", "## Method"):
+        assert section in report
+    if importlib.util.find_spec("matplotlib") is not None:
+        for plot in PLOTS:
+            assert (out / plot).stat().st_size > 0, plot
