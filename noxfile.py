@@ -92,3 +92,13 @@ def protos_check(session: nox.Session) -> None:
         problems = _tree_differs(Path(tmp), GENERATED_DIR)
     if problems:
         session.error("generated code is stale, run `nox -s protos`: " + "; ".join(problems))
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks against a grpc.aio reference server; writes bench/results/ (about 10 min).
+
+    `nox -s bench -- --quick` runs the tiny smoke configuration.
+    """
+    session.install("-e", ".[test]", "matplotlib")
+    session.run("python", "-m", "bench", *session.posargs)
