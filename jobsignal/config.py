@@ -192,9 +192,10 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("max_request_bytes", "4194304", _positive_int, "largest request message accepted"),
     Setting(
         "max_send_bytes",
-        "8388608",
+        "4194304",
         _positive_int,
-        "largest message sent; a bigger job event goes out with an empty HcclJson",
+        "largest message sent; a bigger job event goes out with an empty HcclJson (the"
+        " default is gRPC clients' default receive limit; raise both together)",
     ),
     Setting("max_connections", "1024", _positive_int, "open connections in total"),
     Setting("max_connections_per_ip", "512", _positive_int, "open connections per client address"),

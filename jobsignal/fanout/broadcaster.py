@@ -41,7 +41,7 @@ class Broadcaster:
         max_pending: int = 1024,
         max_pending_bytes: int = 64 * 1024 * 1024,
         batch_npus: int = DEFAULT_BATCH_NPUS,
-        max_message_bytes: int = 8 * 1024 * 1024,
+        max_message_bytes: int = 4 * 1024 * 1024,
         wall_clock: Callable[[], float] = time.time,
         stats: FanoutStats | None = None,
     ) -> None:

@@ -85,6 +85,7 @@ class ObservedH2Protocol(H2Protocol):
     def __init__(self, base: H2Protocol, table: ConnectionTable) -> None:
         super().__init__(base.handler, base.config, base.h2_config)
         self._table = table
+        self._linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -98,7 +99,7 @@ class ObservedH2Protocol(H2Protocol):
             log.warning("refusing connection from %s: %s", peer_text, self._refusal)
             self._table.counter.refused += 1
             self.processor.processors[RequestReceived] = self._refuse_request
-            asyncio.get_running_loop().call_later(
+            self._linger = asyncio.get_running_loop().call_later(
                 REFUSED_CONNECTION_LINGER, self.goaway, ErrorCodes.NO_ERROR, b"refused"
             )
             return
@@ -107,6 +108,9 @@ class ObservedH2Protocol(H2Protocol):
         self._table.add(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()  # the timer would keep this protocol alive
+            self._linger = None
         if self._refusal is None:
             self._table.counter.closed(self.ip)
             self._table.discard(self)
