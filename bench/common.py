@@ -98,6 +98,30 @@ def generate_stubs(out: Path) -> None:
         raise RuntimeError(f"grpc_tools.protoc failed with exit code {code}")
 
 
+# The flood driver looks at this many subscribers' queues (enough for a
+# stable 95th percentile, few enough to cost little next to the fan-out).
+LEVEL_SAMPLE = 200
+# The flood driver's publish() calls make about this many queue pushes each.
+PUSHES_PER_PUBLISH = 16_000
+
+
+def flood_batch(batch: int, subscribers: int) -> int:
+    """Events per publish: at most `batch`, and about PUSHES_PER_PUBLISH queue pushes.
+
+    publish() runs to completion without yielding, so a batch of 16 events to
+    5,000 subscribers would stall the event loop (and every send) for a second.
+    """
+    return max(1, min(batch, PUSHES_PER_PUBLISH // max(1, subscribers)))
+
+
+def queue_level(pending: list[int], quantile: float) -> int:
+    """The `quantile` of the subscribers' queue lengths (0 without subscribers)."""
+    if not pending:
+        return 0
+    pending.sort()
+    return pending[int(quantile * (len(pending) - 1))]
+
+
 @dataclass
 class Percentiles:
     count: int

@@ -27,7 +27,16 @@ from typing import Any
 import trio
 import trio.lowlevel
 
-from bench.common import MAX_CLIENTS, MAX_MESSAGE_BYTES, ROLES, emit, setup_child
+from bench.common import (
+    LEVEL_SAMPLE,
+    MAX_CLIENTS,
+    MAX_MESSAGE_BYTES,
+    ROLES,
+    emit,
+    flood_batch,
+    queue_level,
+    setup_child,
+)
 from bench.events import latency_ns, make_jobs, stamped
 from jobsignal.app import run_source
 from jobsignal.config import load_config
@@ -121,19 +130,6 @@ def roomy_settings(settings: ServerSettings) -> ServerSettings:
         elif f.name.endswith("_bytes"):
             overrides[f.name] = max(getattr(limits, f.name), MAX_MESSAGE_BYTES)
     return dataclasses.replace(settings, limits=dataclasses.replace(limits, **overrides))
-
-
-# The flood driver looks at this many subscribers' queues (enough for a
-# stable 95th percentile, few enough to cost little next to the fan-out).
-LEVEL_SAMPLE = 200
-
-
-def queue_level(pending: list[int], quantile: float) -> int:
-    """The `quantile` of the subscribers' queue lengths (0 without subscribers)."""
-    if not pending:
-        return 0
-    pending.sort()
-    return pending[int(quantile * (len(pending) - 1))]
 
 
 class Runner:
@@ -305,12 +301,14 @@ class Runner:
         index = 0
         with scope:
             while True:
-                sample = itertools.islice(self.broadcaster.subscribers, LEVEL_SAMPLE)
+                subscribers = self.broadcaster.subscribers
+                sample = itertools.islice(subscribers, LEVEL_SAMPLE)
                 level = queue_level([s.pending for s in sample], quantile)
                 if level < threshold:
                     now = time.time_ns()
-                    events = [stamped(jobs[(index + k) % len(jobs)], now) for k in range(batch)]
-                    index += batch
+                    count = flood_batch(batch, len(subscribers))
+                    events = [stamped(jobs[(index + k) % len(jobs)], now) for k in range(count)]
+                    index += count
                     self.broadcaster.publish(events)
                     await trio.lowlevel.checkpoint()
                 else:

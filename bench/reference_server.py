@@ -32,13 +32,19 @@ from typing import Any
 
 import grpc
 
-from bench.common import MAX_CLIENTS, MAX_MESSAGE_BYTES, ROLES, emit, load_stubs, setup_child
+from bench.common import (
+    LEVEL_SAMPLE,
+    MAX_CLIENTS,
+    MAX_MESSAGE_BYTES,
+    ROLES,
+    emit,
+    flood_batch,
+    load_stubs,
+    setup_child,
+)
 from bench.events import make_jobs
 
 job_pb2, job_pb2_grpc = load_stubs()
-
-# As in bench/jobsignal_server.py: queues the flood driver looks at.
-LEVEL_SAMPLE = 200
 
 
 def to_message(job: Any, sid: int) -> Any:
@@ -221,9 +227,10 @@ class Runner:
             level = pending[int(quantile * (len(pending) - 1))] if pending else 0
             if level < threshold:
                 now = time.time_ns()
-                for k in range(batch):
+                count = flood_batch(batch, len(self.servicer.subscriptions))
+                for k in range(count):
                     self.servicer.publish(to_message(jobs[(index + k) % len(jobs)], now))
-                index += batch
+                index += count
                 await asyncio.sleep(0)
             else:
                 await asyncio.sleep(0.001)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -165,7 +166,8 @@ class Bench:
 
     # -- processes -----------------------------------------------------------
 
-    def child(self, name: str, module: str, *args: str) -> Child:
+    def child(self, name: str, module: str, *args: str, wait: bool = True) -> Child:
+        """Start `python -m module args`; with `wait`, until it reports ready."""
         self._children += 1
         child = Child(
             f"{self._children:03d}-{name}",
@@ -174,7 +176,8 @@ class Bench:
             env=self.env,
             log_dir=self.log_dir,
         )
-        child.wait_ready()
+        if wait:
+            child.wait_ready()
         return child
 
     @contextlib.contextmanager
@@ -205,6 +208,7 @@ class Bench:
         sizes = self.sizes
         processes = min(count, max(sizes.min_clients, math.ceil(count / sizes.per_client)))
         target = f"127.0.0.1:{server.ready['port']}"
+        baseline = int(server.request({"cmd": "stats"})["subscribers"])
         started: list[Child] = []
         for index in range(processes):
             share = count // processes + (1 if index < count % processes else 0)
@@ -218,10 +222,12 @@ class Bench:
                 str(share),
                 "--stall",
                 str(stall_share),
+                wait=False,
             )
             children.append(client)
             started.append(client)
-        baseline = int(server.request({"cmd": "stats"})["subscribers"])
+        for client in started:
+            client.wait_ready()
 
         def subscribed() -> bool:
             for client in started:
@@ -332,6 +338,7 @@ class Bench:
             ("ingest", self.scenario_ingest),
             ("slow", self.scenario_slow),
             ("profile", self.scenario_profile),
+            ("publish", self.scenario_publish),
         ]
         for name, scenario in scenarios:
             if only and name not in only:
@@ -441,12 +448,12 @@ class Bench:
         for kind in SERVERS:
             with self.running() as children:
                 server = self.server(children, kind)
-                time.sleep(1.0)
+                time.sleep(self.sizes.warmup)
                 baseline = server.rss_bytes()
                 started = time.perf_counter()
                 self.clients(children, server, count)
                 connect_seconds = time.perf_counter() - started
-                time.sleep(2.0)
+                time.sleep(self.sizes.warmup)
                 rss = server.rss_bytes()
                 results[kind] = {
                     "subscribers": count,
@@ -653,8 +660,6 @@ class Bench:
                     str(int(sizes.profile_seconds)), "--rate", "200", "--format", "speedscope",
                     "--output", str(path), "--nonblocking",
                 ]  # fmt: skip
-                import subprocess
-
                 done = subprocess.run(command, capture_output=True, text=True, check=False)
                 tool = "py-spy"
                 if done.returncode != 0 or not path.exists():
@@ -674,6 +679,24 @@ class Bench:
                 "subscribers": sizes.profile_subs,
                 "rate_while_profiling": rate,
             }
+
+    def scenario_publish(self) -> None:
+        """Microbenchmark of Broadcaster.publish vs. the proposed inner loop (bench/micro.py)."""
+        quick = self.sizes.profile_subs == 0
+        args = ["--subscribers", "10" if quick else "1000,5000"]
+        args += ["--rounds", "1" if quick else "5", "--ballast", "10000" if quick else "1000000"]
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.micro", *args],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=self.sizes.deadline,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise ChildError(f"bench.micro failed: {done.stderr.strip()[-1000:]}")
+        self.results["publish"] = json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _histogram(samples_ns: list[int], bins: int = 60) -> dict[str, list[float]]:

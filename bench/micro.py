@@ -1,0 +1,123 @@
+"""Microbenchmark of the fan-out hot loop: `Broadcaster.publish` per subscriber push.
+
+    python -m bench.micro [--subscribers 1000,5000] [--events 16]
+
+Measures jobsignal's real `Broadcaster.publish` against a variant of its
+inner loop that does the same work with what the profile says it wastes
+removed (see FINDINGS.md): the job key built once per event instead of once
+per subscriber (`JobSummary.key` constructs a frozen dataclass), one queue
+entry tuple shared by every subscriber instead of one allocated per push, and
+no per-push `StreamKind` test. Both run with the garbage collector as it is
+and with the long-lived objects frozen (`gc.freeze()`), because per-push
+allocations trigger collections that walk every object of a busy server.
+
+The variant touches `Subscriber` internals, so it only runs while they look
+as expected; it prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from bench.events import make_jobs, stamped
+from jobsignal.fanout import Broadcaster, StreamKind, Subscriber
+from jobsignal.fanout.encoding import encode_signal
+from jobsignal.store import JobSummary
+
+
+def proposed_publish(broadcaster: Broadcaster, jobs: list[JobSummary]) -> None:
+    """What `publish` does for SIGNAL subscribers, without the per-push waste."""
+    seen_at = trio.current_time()
+    subscribers: Any = broadcaster._subscribers
+    for job in jobs:
+        signal = encode_signal(job, str(uuid.uuid4()))  # once per event, as publish does
+        key = job.key
+        entry = (key, signal, seen_at)
+        size = len(signal)
+        for subscriber in subscribers:
+            pending = subscriber._pending
+            pending.append(entry)
+            subscriber._pending_bytes += size
+            if len(pending) > subscriber._max_pending:
+                subscriber._coalesce()
+            subscriber._wakeup.set()
+
+
+def _measure(
+    publish: Callable[[list[JobSummary]], None],
+    subscribers: list[Subscriber],
+    jobs: list[JobSummary],
+    rounds: int,
+) -> float:
+    """Median µs per subscriber push over `rounds` publishes of `jobs`."""
+    costs = []
+    for _ in range(rounds):
+        for subscriber in subscribers:
+            subscriber._pending.clear()
+            subscriber._pending_bytes = 0
+        batch = [stamped(job, time.time_ns()) for job in jobs]
+        started = time.perf_counter()
+        publish(batch)
+        costs.append((time.perf_counter() - started) * 1e6 / (len(jobs) * len(subscribers)))
+    costs.sort()
+    return costs[len(costs) // 2]
+
+
+async def _run(counts: list[int], events: int, ballast: int, rounds: int) -> dict[str, Any]:
+    jobs = make_jobs(events, 2)
+    # Long-lived objects like a busy server's (connections, h2 state, tasks).
+    heap: list[list[None]] = [[None] for _ in range(ballast)]
+    results: dict[str, Any] = {"events": events, "heap_objects": len(gc.get_objects())}
+    rows = []
+    for count in counts:
+        broadcaster = Broadcaster()
+        subscribers = [
+            broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", f"id-{i}", snapshot=False)
+            for i in range(count)
+        ]
+        row: dict[str, Any] = {"subscribers": count}
+        for gc_mode in ("gc", "frozen"):
+            if gc_mode == "frozen":
+                gc.collect()
+                gc.freeze()
+            row[f"current_{gc_mode}_us"] = _measure(broadcaster.publish, subscribers, jobs, rounds)
+            try:
+                row[f"proposed_{gc_mode}_us"] = _measure(
+                    functools.partial(proposed_publish, broadcaster), subscribers, jobs, rounds
+                )
+            except AttributeError as error:  # Subscriber internals changed
+                row[f"proposed_{gc_mode}_us"] = None
+                row["note"] = f"variant skipped: {error}"
+            if gc_mode == "frozen":
+                gc.unfreeze()
+        rows.append(row)
+        for subscriber in subscribers:
+            broadcaster.unsubscribe(subscriber)
+    del heap
+    results["rows"] = rows
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--subscribers", default="1000,5000")
+    parser.add_argument("--events", type=int, default=16)
+    parser.add_argument("--ballast", type=int, default=1_000_000, help="long-lived objects")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    counts = [int(n) for n in args.subscribers.split(",")]
+    result = trio.run(_run, counts, args.events, args.ballast, args.rounds)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
