@@ -356,25 +356,18 @@ async def test_list_stream_sends_snapshot_batches_then_live_changes(
 
 async def test_registration_that_never_subscribes_expires(grpc_clients: GrpcioClients) -> None:
     ttl = 0.3
-    async with (
-        trio.open_nursery() as nursery,
-        open_jobsignal_server(registry=make_registry(ttl=ttl)) as server,
-    ):
+    async with open_jobsignal_server(registry=make_registry(ttl=ttl)) as server:
         client = grpc_clients.connect(server.target)
         stale = await in_thread(client.register_id, "CCAgent")
+        assert len(server.registry) == 1
         # The registry runs on trio's clock, the real one here: a real wait.
         await trio.sleep(ttl + 0.1)
         error = await rpc_error(lambda: list(client.subscribe("CCAgent", stale, timeout=5)))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "Register" in error.details()
+        # Refused because the id expired (not for any other reason), and gone.
         assert server.registry.expired_total == 1
-
-        # A registration used promptly is still good.
-        def register_and_subscribe() -> Any:
-            return client.subscribe("CCAgent", client.register_id("CCAgent"))
-
-        StreamCollector(await in_thread(register_and_subscribe)).start(nursery)
-        await wait_until(lambda: server.registry.active_subscriptions() == 1)
+        assert len(server.registry) == 0
 
 
 # -- health and reflection ------------------------------------------------------------
@@ -461,7 +454,8 @@ async def test_graceful_shutdown_ends_streams_and_frees_everything(
         assert not server.broadcaster.subscribers
         assert server.registry.active_subscriptions() == 0
         assert len(server.connections) == 0
-        assert took < 2.0, f"shutdown took {took:.2f}s though every stream ended at once"
+        # Far less than the grace period: nothing waited for it.
+        assert took < 5.0, f"shutdown took {took:.2f}s though every stream ended at once"
         refused = await rpc_error(lambda: quiet.register("CCAgent", timeout=2))
         assert refused.code() == grpc.StatusCode.UNAVAILABLE
 

@@ -74,11 +74,11 @@ async def test_idle_rule_spares_pinging_clients_and_closes_silent_ones(
         subscribed_at = trio.current_time()
         assert len(server.connections) == 2
 
-        code, details = await dropped.wait_end(within=idle + 3)
+        code, details = await dropped.wait_end(within=idle + 5)
         ended_after = trio.current_time() - subscribed_at
         assert code == grpc.StatusCode.UNAVAILABLE
         assert details is not None and f"idle for {idle:g}s" in details, details
-        assert idle - 0.5 < ended_after < idle + 1.5, ended_after
+        assert idle - 0.5 < ended_after < idle + 2.5, ended_after
         # Its registration is released and its connection closed by the server.
         await wait_until(lambda: server.registry.active_subscriptions() == 1)
         await wait_until(lambda: len(server.connections) == 1, what="idle connection closed")

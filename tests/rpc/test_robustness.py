@@ -82,7 +82,7 @@ async def test_stalled_client_is_cut_off_without_delaying_the_others(
 
             took = await wait_until(
                 all_delivered,
-                within=10,
+                within=15,
                 what=f"all {normal_count} normal subscribers to get {delivered} messages",
             )
             slowest_round = max(slowest_round, took)
@@ -107,7 +107,7 @@ async def test_stalled_client_is_cut_off_without_delaying_the_others(
     in_flight = [message.jobId for message in rest.messages]
     assert len(in_flight) < len(jobs) // 2
     assert in_flight == expected[1 : 1 + len(in_flight)]
-    assert slowest_round < 5.0, f"a round took {slowest_round:.2f}s"
+    assert slowest_round < 8.0, f"a round took {slowest_round:.2f}s"
 
 
 # -- clients that go away ---------------------------------------------------------------
