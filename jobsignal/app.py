@@ -214,7 +214,8 @@ async def run_jobsignal(
     """Run a whole jobsignal server until `shutdown` is set (or SIGINT/SIGTERM)."""
     connection = choose_connection(config, environ)
     settings = server_settings(config)
-    shutdown = shutdown or trio.Event()
+    if shutdown is None:  # (a trio.Event has no truth value)
+        shutdown = trio.Event()
     store = JobStore()
     status = SourceStatus()
     broadcaster = Broadcaster(

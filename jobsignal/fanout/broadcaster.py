@@ -52,8 +52,6 @@ class Broadcaster:
         self._wall_clock = wall_clock
         self._latest: dict[JobKey, EncodedJob] = {}
         self._subscribers: set[Subscriber] = set()
-        self._no_subscribers = trio.Event()
-        self._no_subscribers.set()
         self.stats = stats or FanoutStats()
 
     # -- state -------------------------------------------------------------
@@ -114,17 +112,10 @@ class Broadcaster:
             for entry in self._latest.values():
                 subscriber.push(entry.job.key, entry.signal)
         self._subscribers.add(subscriber)
-        if self._no_subscribers.is_set():
-            self._no_subscribers = trio.Event()
         return subscriber
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self._subscribers.discard(subscriber)
-        if not self._subscribers:
-            self._no_subscribers.set()
-
-    async def wait_no_subscribers(self) -> None:
-        await self._no_subscribers.wait()
 
     def end_all(self, reason: EndReason) -> None:
         for subscriber in list(self._subscribers):

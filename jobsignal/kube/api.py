@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import httpx
 import trio
 
+from jobsignal.kube.credentials import KubeConfigError
+
 
 class ApiError(Exception):
     """A failed Kubernetes API call; the message is safe to log."""
@@ -103,7 +105,12 @@ class KubeApi:
     def _headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json"}
         if self._tokens is not None:
-            headers["Authorization"] = f"Bearer {self._tokens.current()}"
+            try:
+                token = self._tokens.current()
+            except KubeConfigError as error:
+                # A token file caught mid-rewrite: retry after a backoff.
+                raise ApiUnavailable(f"cannot read the bearer token: {error}") from None
+            headers["Authorization"] = f"Bearer {token}"
         return headers
 
     async def list_page(self, namespace: str | None, params: Mapping[str, str]) -> dict[str, Any]:

@@ -55,6 +55,16 @@ class Credentials(Protocol):
 
 
 @dataclass
+class _ScopeProgress:
+    """Where one scope's watch stands; survives the failures of single watches."""
+
+    # The resourceVersion to watch from; None means a LIST is needed first.
+    version: str | None = None
+    # 410s in a row with nothing delivered in between.
+    gone_streak: int = 0
+
+
+@dataclass
 class WatchCounters:
     lists: int = 0
     relists_after_gone: int = 0
@@ -100,20 +110,24 @@ class Watcher:
     async def _run_scope(self, namespace: str | None) -> None:
         where = f"namespace {namespace}" if namespace else "all namespaces"
         backoff = Backoff(self._settings.backoff_initial, self._settings.backoff_max, self._rng)
-        version: str | None = None
+        scope = _ScopeProgress()
         while True:
             try:
-                if version is None:
-                    version = await self._relist(namespace)
+                if scope.version is None:
+                    scope.version = await self._relist(namespace)
                     self._mark_listed(namespace)
-                    backoff.reset()
-                version = await self._watch(namespace, version, backoff)
+                await self._watch(namespace, scope, backoff)
                 self.counters.watch_restarts += 1
-                log.debug("watch of %s ended cleanly at %s; watching again", where, version)
+                log.debug("watch of %s ended cleanly at %s; watching again", where, scope.version)
             except Gone as gone:
                 self.counters.relists_after_gone += 1
-                log.info("watch of %s: %s; relisting", where, gone)
-                version = None
+                scope.version = None
+                scope.gone_streak += 1
+                # One 410 after a working watch relists at once; 410 after 410 with
+                # nothing delivered in between (a lagging watch cache) backs off.
+                delay = backoff.next_delay() if scope.gone_streak > 1 else 0.0
+                log.info("watch of %s: %s; relisting in %.1fs", where, gone, delay)
+                await trio.sleep(delay)
             except ApiError as error:
                 self.counters.errors += 1
                 self._status.mark_unreachable(str(error))
@@ -168,10 +182,17 @@ class Watcher:
         )
         return version
 
-    async def _watch(self, namespace: str | None, version: str, backoff: Backoff) -> str:
+    async def _watch(self, namespace: str | None, scope: _ScopeProgress, backoff: Backoff) -> None:
+        """Watch from `scope.version`, advancing it with every event and bookmark.
+
+        The version lives in `scope`, not in this frame, so a watch that breaks
+        mid-stream is resumed after the last event it delivered: nothing is
+        applied twice and no job goes back to an older state.
+        """
+        assert scope.version is not None
         params = {
             **self._selector(),
-            "resourceVersion": version,
+            "resourceVersion": scope.version,
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(int(self._settings.watch_timeout)),
         }
@@ -190,10 +211,10 @@ class Watcher:
                     self.counters.events += 1
                     self._publish(self._store.apply(str(kind), obj, self._wall_clock()))
                 if new_version:
-                    version = new_version
+                    scope.version = new_version
+                scope.gone_streak = 0
                 backoff.reset()
                 self._status.mark_synced(self._wall_clock())
-        return version
 
     def _publish(self, changes: Changes) -> None:
         for problem in changes.rejected:

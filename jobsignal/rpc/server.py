@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-import trio.lowlevel
 import trio_asyncio
 from google.protobuf import descriptor_pool
 from grpclib.config import Configuration
@@ -171,13 +170,14 @@ async def run_grpc_server(
             await shutdown.wait()
         finally:
             with trio.CancelScope(shield=True):
-                await _stop(server, broadcaster, connections, settings.shutdown_grace)
+                await _stop(server, service, broadcaster, connections, settings.shutdown_grace)
             nursery.cancel_scope.cancel()
             running.stopped.set()
 
 
 async def _stop(
     server: JobsignalServer,
+    service: JobService,
     broadcaster: Broadcaster,
     connections: ConnectionTable,
     grace: float,
@@ -187,9 +187,9 @@ async def _stop(
     server._server.close()  # stop accepting; live connections stay for the trailers
     broadcaster.end_all(EndReason.SHUTDOWN)
     with trio.move_on_after(grace):
-        await broadcaster.wait_no_subscribers()
-        # Let the handlers write their trailers before connections go.
-        await trio.lowlevel.checkpoint()
+        # Handlers, not just subscriptions: the trailers are written on the
+        # asyncio side after the trio session has already returned.
+        await service.wait_streams_closed()
     server.close()
     connections.close_all()
     with trio.move_on_after(grace):

@@ -70,6 +70,11 @@ class JobService:
         self.settings = settings
         self.connections = connections
         self.max_request_bytes = max_request_bytes
+        # Subscribe handlers that have not yet written their trailers: shutdown
+        # waits for them, so every stream learns why it ended.
+        self._open_streams = 0
+        self._all_streams_closed = trio.Event()
+        self._all_streams_closed.set()
         limits = connections.limits
         self.register_limiter = RateLimiter(limits.register_rate, limits.register_burst)
         self.subscribe_limiter = RateLimiter(limits.subscribe_rate, limits.subscribe_burst)
@@ -141,6 +146,21 @@ class JobService:
         request = await read_request(stream, ClientInfo, self.max_request_bytes)
         if await self._refuse_if_over_limits(stream, self.subscribe_limiter, "Subscribe"):
             return
+        self._open_streams += 1
+        if self._all_streams_closed.is_set():
+            self._all_streams_closed = trio.Event()
+        try:
+            await self._serve_stream(kind, stream, request)
+        finally:
+            self._open_streams -= 1
+            if not self._open_streams:
+                self._all_streams_closed.set()
+
+    async def wait_streams_closed(self) -> None:
+        """Until every Subscribe handler has sent its trailers (for shutdown)."""
+        await self._all_streams_closed.wait()
+
+    async def _serve_stream(self, kind: StreamKind, stream: Stream, request: ClientInfo) -> None:
         activity = self.connections.activity_of(stream)
         send_frames = functools.partial(trio_asyncio.aio_as_trio(_write_frames), stream)
         end = await trio_asyncio.trio_as_aio(

@@ -309,13 +309,6 @@ async def test_token_rotation_within_the_grace_period_needs_no_401(
         assert emu.requests[-1].authorization == "Bearer token-generation-2"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: TokenSource.current() raises KubeConfigError when the token file is briefly"
-    " empty or missing (a non-atomic rewrite), and KubeApi builds its headers outside its"
-    " error translation, so the exception escapes KubeApi/Watcher and ends run_source (the"
-    " whole server) instead of being an ApiError that is retried with backoff",
-)
 async def test_token_file_briefly_empty_is_retried_not_fatal(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:

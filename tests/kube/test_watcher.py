@@ -289,12 +289,6 @@ async def test_plain_http_410_relists(autojump_clock: trio.testing.MockClock) ->
         check_faithful(harness, cluster, exact=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Watcher._run_scope relists immediately on every Gone, with no backoff; an"
-    " API server that answers every WATCH with 410 (e.g. an HA apiserver whose watch cache"
-    " lags the LIST) gets a tight LIST loop instead of the 0.8 s..30 s backoff",
-)
 async def test_repeated_410_backs_off_between_relists(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -304,6 +298,8 @@ async def test_repeated_410_backs_off_between_relists(
         emu.faults.push(*[HttpError(410, target="watch")] * 6)
         async with open_watcher(emu, rng=lambda: 1.0) as harness:
             await eventually(lambda: len(emu.faults) == 0, timeout=120)
+            # The initial LIST plus one relist per 410.
+            await eventually(lambda: harness.watcher.counters.lists == 7, timeout=120)
             await harness.caught_up(cluster)
         # The first 410 relists at once; the next ones, with no progress in between,
         # should be spaced like any other error (0.8 s doubling, jitter down to half).
@@ -361,13 +357,6 @@ async def test_broken_watch_rewatches_without_relist_loss_or_duplicates(
         assert waited == pytest.approx(90.6 if isinstance(fault, Stall) else 0.6, abs=0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Watcher._watch keeps the advancing resourceVersion in a local variable that"
-    " is lost when the watch fails mid-stream, so _run_scope re-watches from the version the"
-    " failed watch started at; its events are applied again and a job changed twice in it"
-    " goes back to its older state, then forward again (regression + duplicate events)",
-)
 @pytest.mark.parametrize("fault", BROKEN_STREAMS.values(), ids=BROKEN_STREAMS.keys())
 async def test_broken_watch_resumes_after_the_last_event_it_delivered(
     autojump_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine

@@ -460,13 +460,6 @@ async def test_graceful_shutdown_ends_streams_and_frees_everything(
         assert refused.code() == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jobsignal/rpc/server.py _stop: closes the server and sends GOAWAY as soon as"
-    " the last subscriber has left the broadcaster (trio side), before the grpclib"
-    " handlers have resumed and written their trailers, so most streams see"
-    " 'Socket closed (GOAWAY ... shutdown)' instead of UNAVAILABLE 'server shutting down'",
-)
 async def test_graceful_shutdown_tells_every_stream_why(grpc_clients: GrpcioClients) -> None:
     async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
         streams = []
