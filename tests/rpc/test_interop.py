@@ -13,7 +13,6 @@ import uuid
 from typing import Any
 
 import grpc
-import pytest
 import trio
 from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
 
