@@ -333,9 +333,10 @@ async def test_health_serving_after_the_first_list(
 
 
 async def take_fault(emu: KubeEmulator, fault: Drop | ExpireWatch) -> None:
-    """Queue `fault` and wait until a new watch (one a second here) has taken it."""
+    """Queue `fault`, end the open watch, and wait until the next watch has taken it."""
     applied = emu.stats.faults_applied
     emu.faults.push(fault)
+    emu.restart(lose_history=False)  # watches end (cleanly); history is kept
     with trio.fail_after(10):
         await emu.wait_for(lambda: emu.stats.faults_applied == applied + 1)
 
@@ -348,7 +349,7 @@ async def test_faults_mid_lifecycle_leave_the_client_with_the_clusters_state(
     c = ClusterdJob("inference", "c", "uid-c", framework="mindspore")
     async with (
         trio.open_nursery() as nursery,
-        open_server(emu, tmp_path, watch_timeout="1") as server,
+        open_server(emu, tmp_path) as server,
     ):
         with trio.fail_after(10):
             await emu.wait_requests(1, "watch")
@@ -403,7 +404,7 @@ async def test_grpc_client_sees_no_regression_after_a_dropped_watch(
     a = ClusterdJob("training", "a", "uid-a")
     async with (
         trio.open_nursery() as nursery,
-        open_server(emu, tmp_path, watch_timeout="1") as server,
+        open_server(emu, tmp_path) as server,
     ):
         with trio.fail_after(10):
             await emu.wait_requests(1, "watch")
