@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -250,6 +251,19 @@ class Runner:
             self.profile.dump_stats(command["path"])
             self.profile = None
             return {"ok": True}
+        if name == "gc":
+            # Garbage-collector figures; with "freeze", move every object to the
+            # permanent generation (an experiment for FINDINGS.md, off by default).
+            started = time.perf_counter()
+            if command.get("freeze"):
+                gc.collect()
+                gc.freeze()
+            return {
+                "objects": len(gc.get_objects()),
+                "frozen": gc.get_freeze_count(),
+                "collections": [g["collections"] for g in gc.get_stats()],
+                "seconds": time.perf_counter() - started,
+            }
         if name == "reset_lags":
             self.broadcaster.lags_ns.clear()
             return {"ok": True}

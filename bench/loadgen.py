@@ -56,9 +56,13 @@ class Load:
             self.channels.append(channel)
             stub = job_pb2_grpc.JobStub(channel)
             try:
-                status = await stub.Register(job_pb2.ClientInfo(role=ROLE), timeout=120)
+                # wait_for_ready: a connection refused or reset while thousands of
+                # clients connect at once is retried instead of failing the call.
+                status = await stub.Register(
+                    job_pb2.ClientInfo(role=ROLE), timeout=120, wait_for_ready=True
+                )
                 call = stub.SubscribeJobSummarySignal(
-                    job_pb2.ClientInfo(role=ROLE, clientId=status.clientId)
+                    job_pb2.ClientInfo(role=ROLE, clientId=status.clientId), wait_for_ready=True
                 )
             except grpc.RpcError as error:
                 self._error(error)

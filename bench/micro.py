@@ -107,15 +107,48 @@ async def _run(counts: list[int], events: int, ballast: int, rounds: int) -> dic
     return results
 
 
+async def _noop() -> None:
+    pass
+
+
+async def _hop_cost(tasks: int, hops: int) -> float:
+    """µs per trio -> asyncio -> trio round trip (`aio_as_trio`), `tasks` hopping at once."""
+    import trio_asyncio
+
+    async with trio_asyncio.open_loop():
+        hop = trio_asyncio.aio_as_trio(_noop)
+        go = trio.Event()
+        done = 0
+
+        async def worker() -> None:
+            nonlocal done
+            await go.wait()
+            for _ in range(max(1, hops // tasks)):
+                await hop()
+                done += 1
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(tasks):
+                nursery.start_soon(worker)
+            await trio.sleep(0.05)
+            started = time.perf_counter()
+            go.set()
+        return (time.perf_counter() - started) * 1e6 / done
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--subscribers", default="1000,5000")
     parser.add_argument("--events", type=int, default=16)
     parser.add_argument("--ballast", type=int, default=1_000_000, help="long-lived objects")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hops", type=int, default=20_000)
     args = parser.parse_args()
     counts = [int(n) for n in args.subscribers.split(",")]
     result = trio.run(_run, counts, args.events, args.ballast, args.rounds)
+    result["hop_us"] = {
+        str(tasks): trio.run(_hop_cost, tasks, args.hops) for tasks in (1, counts[-1])
+    }
     print(json.dumps(result))
 
 

@@ -205,6 +205,17 @@ class Report:
             ],
         )
 
+        loads = self.r.get("scenario_load")
+        if loads:
+            self.add("Time and 1-minute load average at the end of each scenario:", "")
+            self.table(
+                ["Scenario", "Seconds", "Load average"],
+                [
+                    [name, _num(row["seconds"], 0), _num(row["load_average"][0], 2)]
+                    for name, row in loads.items()
+                ],
+            )
+
     def summary(self) -> None:
         r = self.r
         self.add(
@@ -709,30 +720,42 @@ class Report:
             self.add(" ".join(f"![{name}]({name})" for name in names), "")
 
     def profile(self) -> None:
+        self.add("## Where the time goes (jobsignal)", "")
         info = self.r.get("profile")
-        self.add("## Where the time goes (jobsignal during fan-out)", "")
         if not info or "skipped" in info or "file" not in info:
             reason = (info or {}).get("skipped") or self.errors.get("profile", "not run")
             self.add(f"No profile in this run ({reason}).", "")
             return
+        self.add(
+            f"### Under flood: {info['subscribers']:,} subscribers, events as fast as they drain",
+            "",
+            f"{_num(info['rate_while_profiling'], 0)} msg/s delivered while profiling (the"
+            " profiler slows the server a little).",
+            "",
+        )
+        self.profile_tables(info)
+        latency = self.r.get("profile_latency")
+        if latency:
+            self.add(
+                f"### At a fixed rate: {latency['subscribers']:,} subscribers,"
+                f" {latency['rate']:g} events/s (the latency scenario)",
+                "",
+            )
+            self.profile_tables(latency)
+
+    def profile_tables(self, info: dict[str, Any]) -> None:
         path = self.out / info["file"]
         summary: ProfileSummary
         if info["tool"] == "py-spy":
             summary = summarize_speedscope(path)
             what = "share of samples"
+            note = f"py-spy samples of the server's threads; raw profile `{info['file']}`"
+            note += " (open it in speedscope)."
         else:
             summary = summarize_cprofile(path)
             what = "share of profiled time"
-        self.add(
-            f"{info['tool']} on the jobsignal server with {info['subscribers']:,} subscribers"
-            f" under flood ({_num(info['rate_while_profiling'], 0)} msg/s delivered while"
-            f" profiling; the profiler itself slows the server). Raw profile: `{info['file']}`"
-            " (open in speedscope.app)."
-            if info["tool"] == "py-spy"
-            else "",
-            "",
-        )
-        self.add("Self time (where the CPU is):", "")
+            note = f"cProfile (py-spy not installed); raw profile `{info['file']}`."
+        self.add(note, "", "Self time (where the CPU is):", "")
         self.table(
             ["Function", what], [[name, f"{share * 100:.1f} %"] for name, share in summary.self_top]
         )
@@ -782,6 +805,14 @@ class Report:
             ],
             rows,
         )
+        hops = micro.get("hop_us")
+        if hops:
+            cells = ", ".join(f"{_num(v, 0)} µs with {k} tasks hopping" for k, v in hops.items())
+            self.add(
+                "One trio → asyncio → trio round trip (`trio_asyncio.aio_as_trio` of an empty"
+                f" coroutine), which every batch written to a stream pays: {cells}.",
+                "",
+            )
 
     def method(self) -> None:
         self.add(

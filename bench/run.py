@@ -350,7 +350,14 @@ class Bench:
             except Exception as error:  # recorded in the report; the rest still runs
                 self.results["errors"][name] = f"{type(error).__name__}: {error}"
                 self.log(traceback.format_exc())
-            self.log(f"scenario {name} done in {time.perf_counter() - started:.1f}s")
+            elapsed = time.perf_counter() - started
+            self.results.setdefault("scenario_load", {})[name] = {
+                "seconds": elapsed,
+                "load_average": machine.load_average(),
+            }
+            self.log(
+                f"scenario {name} done in {elapsed:.1f}s, load {machine.load_average()[0]:.2f}"
+            )
 
     def scenario_fanout(self) -> None:
         """Events published as fast as the subscribers' queues drain."""
@@ -396,6 +403,14 @@ class Bench:
                     cpu.append(meter.stop()[0])
                     per_rep.append(latency_summary(samples))
                     pooled += samples
+                if kind == "jobsignal" and sizes.profile_subs:
+                    path = self.record_profile(server, "latency", sizes.profile_seconds)
+                    self.results["profile_latency"] = {
+                        "tool": "py-spy" if path.suffix == ".json" else "cProfile",
+                        "file": path.name,
+                        "subscribers": sizes.latency_subs,
+                        "rate": sizes.latency_rate,
+                    }
                 server.request({"cmd": "mode", "mode": "idle"})
                 summary = latency_summary(pooled)
                 summary["per_rep"] = per_rep
@@ -643,9 +658,6 @@ class Bench:
         if not sizes.profile_subs:
             self.results["profile"] = {"skipped": "not in --quick"}
             return
-        py_spy = shutil.which("py-spy") or shutil.which(
-            "py-spy", path=str(Path(sys.executable).parent)
-        )
         with self.running() as children:
             server = self.server(children, "jobsignal")
             clients = self.clients(children, server, sizes.profile_subs)
@@ -653,38 +665,44 @@ class Bench:
             time.sleep(sizes.warmup)
             before, _ = self.received(clients)
             started = time.perf_counter()
-            if py_spy:
-                path = self.out / "profile-jobsignal-fanout.speedscope.json"
-                command = [
-                    py_spy, "record", "--pid", str(server.pid), "--duration",
-                    str(int(sizes.profile_seconds)), "--rate", "200", "--format", "speedscope",
-                    "--output", str(path), "--nonblocking",
-                ]  # fmt: skip
-                done = subprocess.run(command, capture_output=True, text=True, check=False)
-                tool = "py-spy"
-                if done.returncode != 0 or not path.exists():
-                    raise ChildError(f"py-spy failed: {done.stderr.strip()[-500:]}")
-            else:
-                path = self.out / "profile-jobsignal-fanout.cprofile"
-                server.request({"cmd": "profile_start"})
-                time.sleep(sizes.profile_seconds)
-                server.request({"cmd": "profile_stop", "path": str(path)})
-                tool = "cProfile"
+            path = self.record_profile(server, "fanout", sizes.profile_seconds)
             after, _ = self.received(clients)
             rate = (after - before) / (time.perf_counter() - started)
             server.request({"cmd": "mode", "mode": "idle"})
             self.results["profile"] = {
-                "tool": tool,
+                "tool": "py-spy" if path.suffix == ".json" else "cProfile",
                 "file": path.name,
                 "subscribers": sizes.profile_subs,
                 "rate_while_profiling": rate,
             }
+
+    def record_profile(self, server: Child, name: str, seconds: float) -> Path:
+        """Profile the jobsignal server for `seconds`: py-spy if installed, else cProfile."""
+        py_spy = shutil.which("py-spy") or shutil.which(
+            "py-spy", path=str(Path(sys.executable).parent)
+        )
+        if py_spy:
+            path = self.out / f"profile-jobsignal-{name}.speedscope.json"
+            command = [
+                py_spy, "record", "--pid", str(server.pid), "--duration", str(int(seconds)),
+                "--rate", "200", "--format", "speedscope", "--output", str(path), "--nonblocking",
+            ]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0 or not path.exists():
+                raise ChildError(f"py-spy failed: {done.stderr.strip()[-500:]}")
+            return path
+        path = self.out / f"profile-jobsignal-{name}.cprofile"
+        server.request({"cmd": "profile_start"})
+        time.sleep(seconds)
+        server.request({"cmd": "profile_stop", "path": str(path)})
+        return path
 
     def scenario_publish(self) -> None:
         """Microbenchmark of Broadcaster.publish vs. the proposed inner loop (bench/micro.py)."""
         quick = self.sizes.profile_subs == 0
         args = ["--subscribers", "10" if quick else "1000,5000"]
         args += ["--rounds", "1" if quick else "5", "--ballast", "10000" if quick else "1000000"]
+        args += ["--hops", "200" if quick else "20000"]
         done = subprocess.run(
             [sys.executable, "-m", "bench.micro", *args],
             cwd=REPO,
