@@ -620,11 +620,16 @@ async def test_send_size_limit_strips_rank_tables(grpc_clients: GrpcioClients) -
 
 
 async def test_default_send_limit_fits_default_grpc_clients(grpc_clients: GrpcioClients) -> None:
+    """A 5 MB event, past grpcio's default 4 MiB receive limit, arrives stripped.
+
+    Regression test: with an 8 MiB default send limit it went out whole and
+    the stream of every default-configured client died with RESOURCE_EXHAUSTED.
+    """
     async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
         good = await open_good_client(server, grpc_clients, nursery)
         huge = make_job(3, hccl_json='{"status":"complete","pad":"' + "x" * 5_000_000 + '"}')
         server.broadcaster.publish([huge])
-        (message,) = await good.stream.wait_for(1, within=10)
+        (message,) = await good.stream.wait_for(1, within=WAIT)
         assert message.jobId == huge.job_id
         assert message.HcclJson == ""
         await assert_served(server, good)
@@ -845,6 +850,12 @@ async def test_memory_and_descriptors_return_to_baseline_after_abuse(
 async def test_refused_connection_is_freed_when_its_client_leaves(
     grpc_clients: GrpcioClients, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Refused connections are not counted, so nothing of them may outlive their client.
+
+    Regression test: the timer that ends a refused connection after
+    REFUSED_CONNECTION_LINGER kept its protocol (about 22 KiB) alive for
+    that long even when the client had already gone.
+    """
     caplog.set_level(logging.CRITICAL, logger="jobsignal")
     settings = local_settings(limits=Limits(max_connections_per_ip=1))
     async with open_jobsignal_server(settings) as server:
