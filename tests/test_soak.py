@@ -242,6 +242,7 @@ STEP = 0.06
 TARGET_JOBS = 24
 KILL_EVERY = 5.0
 REGISTRATION_TTL = 10.0
+SOAK_DEADLINE = 240.0  # the whole soak, on the busiest machine; about 50 s usually
 
 LONG_LIVED_PROCESSES, LONG_LIVED_SUBS = 2, 30
 CHURN_PROCESSES, CHURN_SUBS = 4, 40
@@ -695,7 +696,8 @@ async def test_soak_full_server_many_clients_changing_cluster(
             await trio.sleep(0.2)
             tasks_before, fds_before = count_tasks(), open_fds()
             try:
-                await soak(server, emulator, clients, rng, report)
+                with trio.fail_after(SOAK_DEADLINE):
+                    await soak(server, emulator, clients, rng, report)
             finally:
                 await clients.close_all()
             # Every client gone: nothing is left on the server.
