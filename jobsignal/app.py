@@ -85,7 +85,6 @@ def server_settings(config: Config) -> ServerSettings:
             max_connections=config.max_connections,
             max_connections_per_ip=config.max_connections_per_ip,
             max_streams_per_connection=config.max_streams_per_connection,
-            max_send_bytes=config.max_send_bytes,
             register_rate=config.register_rate,
             register_burst=config.register_burst,
             subscribe_rate=config.subscribe_rate,

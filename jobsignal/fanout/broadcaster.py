@@ -41,6 +41,8 @@ class Broadcaster:
         max_pending: int = 1024,
         max_pending_bytes: int = 64 * 1024 * 1024,
         batch_npus: int = DEFAULT_BATCH_NPUS,
+        # gRPC clients' default receive limit (grpcio, grpc-go, grpc-java): a
+        # bigger message would end a default client's stream.
         max_message_bytes: int = 4 * 1024 * 1024,
         wall_clock: Callable[[], float] = time.time,
         stats: FanoutStats | None = None,

@@ -18,9 +18,6 @@ class Limits:
     max_connections: int = 1024
     max_connections_per_ip: int = 512
     max_streams_per_connection: int = 64
-    # The default receive limit of gRPC clients (grpcio, grpc-go, grpc-java):
-    # a bigger message would end a default client's stream.
-    max_send_bytes: int = 4 * 1024 * 1024
     register_rate: float = 100.0
     register_burst: int = 200
     subscribe_rate: float = 100.0
