@@ -34,7 +34,7 @@ ROLES = ("CCAgent", "DefaultUser1", "DefaultUser2", "FdAgent")
 ROLE = "CCAgent"
 # Roomy limits for both servers, so only the machine limits the load.
 MAX_CLIENTS = 100_000
-# Big enough for a 40,000-NPU rank table (about 4 MB with this generator).
+# Big enough for a 40,000-NPU rank table (about 2.9 MB with this generator).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Namespace of every benchmark job.
 NAMESPACE = "bench"

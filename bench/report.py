@@ -832,7 +832,7 @@ class Report:
             " per subscriber (bounded at 1,024; a full queue drops the subscriber), `await"
             " context.write(message)`, so protobuf serialises once per subscriber.",
             "- Both servers publish the same jobs (2 servers x 8 NPUs each, built by ClusterD's"
-            " writer and jobsignal's store, about 1.7 KB on the wire) with the publish time in"
+            " writer and jobsignal's store, about 1.3 KB on the wire) with the publish time in"
             " `sid`; clients (`bench/loadgen.py`, grpc.aio, one channel and TCP connection per"
             " subscriber) subtract it from their arrival time.",
             "- Fan-out is measured at the clients, so on a two-core machine the Python grpcio"

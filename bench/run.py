@@ -743,10 +743,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", default="", help="comma-separated scenarios (fanout,latency,e2e,memory,...)"
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite REPORT.md and the plots from the results.json in --out, without running",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        from bench.report import write_report
+
+        print(write_report(json.loads((out / "results.json").read_text()), out))
+        return 0
     only = {name.strip() for name in args.only.split(",") if name.strip()} or None
 
     def log(message: str) -> None:
