@@ -8,6 +8,7 @@ server ready once the first LIST is applied. `shutdown` ends it gracefully.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -191,6 +192,18 @@ def metric_sources(
     )
 
 
+async def _freeze_after_first_list(status: SourceStatus) -> None:
+    """Move everything alive after start-up and the first LIST out of the GC's way.
+
+    Those objects (modules, the job store's slices) live for the whole run;
+    without this every full collection walks them again, a cost that grows
+    with the number of subscribers' queue entries it has to wade through.
+    """
+    await status.ready.wait()
+    gc.collect()
+    gc.freeze()
+
+
 async def _handle_signals(shutdown: trio.Event, cancel_scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
@@ -210,7 +223,11 @@ async def run_jobsignal(
     environ: Mapping[str, str] = os.environ,
     task_status: trio.TaskStatus[RunningJobsignal] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a whole jobsignal server until `shutdown` is set (or SIGINT/SIGTERM)."""
+    """Run a whole jobsignal server until `shutdown` is set (or SIGINT/SIGTERM).
+
+    Once the first LIST is loaded it calls `gc.freeze()` (see
+    `_freeze_after_first_list`), which also affects an embedding program.
+    """
     connection = choose_connection(config, environ)
     settings = server_settings(config)
     if shutdown is None:  # (a trio.Event has no truth value)
@@ -244,6 +261,7 @@ async def run_jobsignal(
             metrics_port = await nursery.start(
                 run_metrics_server, host, port, partial(render, sources)
             )
+        nursery.start_soon(_freeze_after_first_list, status)
         task_status.started(
             RunningJobsignal(
                 server.host,

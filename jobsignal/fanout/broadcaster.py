@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import trio
 
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
-from jobsignal.fanout.subscriber import EndReason, StreamKind, Subscriber
+from jobsignal.fanout.subscriber import EndReason, QueueEntry, StreamKind, Subscriber
 from jobsignal.metrics import FanoutStats
 from jobsignal.store.model import JobKey, JobSummary
 
@@ -53,14 +53,18 @@ class Broadcaster:
         self._max_message_bytes = max_message_bytes
         self._wall_clock = wall_clock
         self._latest: dict[JobKey, EncodedJob] = {}
-        self._subscribers: set[Subscriber] = set()
+        self._signal_subscribers: set[Subscriber] = set()
+        self._list_subscribers: set[Subscriber] = set()
         self.stats = stats or FanoutStats()
 
     # -- state -------------------------------------------------------------
 
     @property
     def subscribers(self) -> frozenset[Subscriber]:
-        return frozenset(self._subscribers)
+        return frozenset(self._signal_subscribers | self._list_subscribers)
+
+    def _set_of(self, kind: StreamKind) -> set[Subscriber]:
+        return self._signal_subscribers if kind is StreamKind.SIGNAL else self._list_subscribers
 
     def job_count(self) -> int:
         return len(self._latest)
@@ -71,26 +75,31 @@ class Broadcaster:
     # -- events ------------------------------------------------------------
 
     def publish(self, jobs: Iterable[JobSummary], seen_at: float | None = None) -> None:
-        """Send job events to every subscriber; `seen_at` is when the source saw them."""
+        """Send job events to every subscriber; `seen_at` is when the source saw them.
+
+        The hot loop: one encoding and one shared queue entry per event and
+        message type, then a plain append per subscriber.
+        """
         if seen_at is None:
             seen_at = trio.current_time()
         stats = self.stats
         for job in jobs:
+            key = job.key
             event_uuid = str(uuid.uuid4())
             signal = self._encode(job, event_uuid)
             if job.is_deleted:
-                self._latest.pop(job.key, None)
+                self._latest.pop(key, None)
             else:
-                self._latest[job.key] = EncodedJob(job, event_uuid, signal)
-            as_list: bytes | None = None
-            for subscriber in self._subscribers:
-                if subscriber.kind is StreamKind.SIGNAL:
-                    subscriber.push(job.key, signal, seen_at)
-                else:
-                    if as_list is None:
-                        as_list = encode_signal_list([signal], self._now_ms(), len(self._latest))
-                    subscriber.push(job.key, as_list, seen_at)
-            stats.messages_queued += len(self._subscribers)
+                self._latest[key] = EncodedJob(job, event_uuid, signal)
+            entry: QueueEntry = (key, signal, seen_at)
+            for subscriber in self._signal_subscribers:
+                subscriber.push_entry(entry)
+            if self._list_subscribers:
+                as_list = encode_signal_list([signal], self._now_ms(), len(self._latest))
+                entry = (key, as_list, seen_at)
+                for subscriber in self._list_subscribers:
+                    subscriber.push_entry(entry)
+            stats.messages_queued += len(self._signal_subscribers) + len(self._list_subscribers)
             stats.events_published += 1
 
     # -- subscriptions -----------------------------------------------------
@@ -113,14 +122,14 @@ class Broadcaster:
         elif snapshot:
             for entry in self._latest.values():
                 subscriber.push(entry.job.key, entry.signal)
-        self._subscribers.add(subscriber)
+        self._set_of(kind).add(subscriber)
         return subscriber
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
-        self._subscribers.discard(subscriber)
+        self._set_of(subscriber.kind).discard(subscriber)
 
     def end_all(self, reason: EndReason) -> None:
-        for subscriber in list(self._subscribers):
+        for subscriber in self.subscribers:
             subscriber.end(reason)
 
     def snapshot_batches(self) -> Iterator[bytes]:

@@ -36,6 +36,9 @@ class EndReason(enum.Enum):
 # Snapshot batches are never coalesced: each carries different jobs.
 _UNIQUE: Hashable = None
 
+# (job key, encoded message, trio time the source saw the event or None)
+QueueEntry = tuple[Hashable, bytes, float | None]
+
 
 class Subscriber:
     __slots__ = (
@@ -69,8 +72,7 @@ class Subscriber:
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
         self._stats = stats
-        # (job key, encoded message, trio time the watcher saw the event or None)
-        self._pending: deque[tuple[Hashable, bytes, float | None]] = deque()
+        self._pending: deque[QueueEntry] = deque()
         self._pending_bytes = 0
         self._wakeup = trio.Event()
         self._cancel_scope: trio.CancelScope | None = None
@@ -87,10 +89,15 @@ class Subscriber:
 
     def push(self, key: Hashable, frame: bytes, seen_at: float | None = None) -> None:
         """Queue one encoded message; `key` names the job it describes."""
+        self.push_entry((key, frame, seen_at))
+
+    def push_entry(self, entry: QueueEntry) -> None:
+        """Queue a (job key, message, seen_at) entry. The broadcaster builds one
+        entry per event and shares it between all queues: no allocation per push."""
         if self.end_reason is not None:
             return
-        self._pending.append((key, frame, seen_at))
-        self._pending_bytes += len(frame)
+        self._pending.append(entry)
+        self._pending_bytes += len(entry[1])
         if len(self._pending) > self._max_pending or self._pending_bytes > self._max_pending_bytes:
             self._coalesce()
             if len(self._pending) > self._max_pending or (
@@ -109,7 +116,7 @@ class Subscriber:
         for position, (key, _, _) in enumerate(self._pending):
             if key is not _UNIQUE:
                 newest[key] = position
-        kept: deque[tuple[Hashable, bytes, float | None]] = deque()
+        kept: deque[QueueEntry] = deque()
         for position, entry in enumerate(self._pending):
             if entry[0] is _UNIQUE or newest[entry[0]] == position:
                 kept.append(entry)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
+import trio.lowlevel
 
 from jobsignal.backoff import Backoff
 from jobsignal.fanout import Broadcaster
@@ -36,6 +37,9 @@ from jobsignal.store import JobStore
 from jobsignal.store.jobs import Changes
 
 log = logging.getLogger(__name__)
+
+# Job events handed to the broadcaster between two checkpoints.
+PUBLISH_SLICE = 64
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ class Watcher:
             raise BadResponse("LIST response has no metadata.resourceVersion")
         self.counters.lists += 1
         changes = self._store.replace_all(items, self._wall_clock(), namespace=namespace)
-        self._publish(changes)
+        await self._publish(changes)
         log.info(
             "LIST %s: %d ConfigMaps at resourceVersion %s, %d job events",
             namespace or "all namespaces",
@@ -209,27 +213,34 @@ class Watcher:
                     self.counters.bookmarks += 1
                 else:
                     self.counters.events += 1
-                    self._publish(self._store.apply(str(kind), obj, self._wall_clock()))
+                    changes = self._store.apply(str(kind), obj, self._wall_clock())
+                    await self._publish(changes)
                 if new_version:
                     scope.version = new_version
                 scope.gone_streak = 0
                 backoff.reset()
                 self._status.mark_synced(self._wall_clock())
 
-    def _publish(self, changes: Changes) -> None:
+    async def _publish(self, changes: Changes) -> None:
         for problem in changes.rejected:
             log.warning("skipped ConfigMap: %s", problem)
-        if changes.events:
-            self._broadcaster.publish(changes.events)
-            for job in changes.events:
-                log.debug(
-                    "job event: %s/%s %s %s (%d NPUs)",
-                    job.namespace,
-                    job.job_name,
-                    job.job_status,
-                    job.operator,
-                    job.npu_count,
-                )
+        seen_at = trio.current_time()
+        # publish() never waits; a relist can emit thousands of events for
+        # thousands of subscribers, so hand them over in slices and let the
+        # streams write in between.
+        for start in range(0, len(changes.events), PUBLISH_SLICE):
+            if start:
+                await trio.lowlevel.checkpoint()
+            self._broadcaster.publish(changes.events[start : start + PUBLISH_SLICE], seen_at)
+        for job in changes.events:
+            log.debug(
+                "job event: %s/%s %s %s (%d NPUs)",
+                job.namespace,
+                job.job_name,
+                job.job_status,
+                job.operator,
+                job.npu_count,
+            )
 
 
 def _watch_error(status_object: dict[str, Any]) -> ApiError:
