@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 256
 
 SendFrames = Callable[[list[bytes]], Awaitable[None]]
+# Writes a batch at once if nothing would have to wait; False means "use SendFrames".
+SendNow = Callable[[list[bytes]], bool]
+
+
+def _never_now(frames: list[bytes]) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ async def serve_subscription(
     settings: SessionSettings,
     activity: ConnectionActivity,
     send_frames: SendFrames,
+    send_now: SendNow = _never_now,
 ) -> StreamEnd:
     """Serve one Subscribe* stream until it ends; return the status to send."""
     try:
@@ -131,10 +138,11 @@ async def serve_subscription(
             with idle.scope:
                 while True:
                     frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
-                    with trio.move_on_after(settings.send_timeout) as send_scope:
-                        await send_frames(frames)
-                    if send_scope.cancelled_caught:
-                        subscriber.end(EndReason.SLOW)
+                    if not send_now(frames):
+                        with trio.move_on_after(settings.send_timeout) as send_scope:
+                            await send_frames(frames)
+                        if send_scope.cancelled_caught:
+                            subscriber.end(EndReason.SLOW)
                     activity.note_sent()
                     idle.touch()
                     _record_delivery(broadcaster, frames, seen)
