@@ -468,6 +468,7 @@ async def test_server_errors_back_off_exponentially_up_to_30s(
         in_sync = [synced for _, _, synced in seen]
         transitions = [s for i, s in enumerate(in_sync) if i == 0 or s != in_sync[i - 1]]
         assert transitions == [False, True, False, True]
+        check_faithful(harness, cluster, exact=True)
 
 
 def test_backoff_delays_and_jitter() -> None:
@@ -502,6 +503,7 @@ async def test_429_honours_retry_after(
             await harness.caught_up(cluster)
             assert harness.watcher.counters.errors == 1
         assert gaps(harness.sent_times("watch")) == pytest.approx([delay], abs=0.02)
+        check_faithful(harness, cluster, exact=True)
 
 
 class SpyTokens(TokenSource):
