@@ -120,6 +120,8 @@ class Watcher:
                 if scope.version is None:
                     scope.version = await self._relist(namespace)
                     self._mark_listed(namespace)
+                    if not scope.gone_streak:  # a LIST that works ends an outage
+                        backoff.reset()
                 await self._watch(namespace, scope, backoff)
                 self.counters.watch_restarts += 1
                 log.debug("watch of %s ended cleanly at %s; watching again", where, scope.version)
