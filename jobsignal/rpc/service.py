@@ -1,10 +1,10 @@
-"""The job.Job service: grpclib handlers, the only asyncio code on the request path.
+"""The job.Job service: grpclib handlers, the asyncio side of each request.
 
 Register is bookkeeping and answers directly. Each Subscribe* stream crosses
-into trio once (`trio_as_aio(serve_subscription)`), and the trio task crosses
-back once per batch of pre-encoded messages to write them. How the stream
-ended comes back as a value, and the trailers are sent here, outside any trio
-nursery, so the client sees the intended status.
+into trio once (`trio_as_aio(serve_subscription)`); the trio task writes its
+batches through `rpc.writer`. How the stream ended comes back as a value, and
+the trailers are sent here, outside any trio nursery, so the client sees the
+intended status.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import grpclib.const
 import grpclib.server
 import trio
 import trio_asyncio
-from h2.exceptions import StreamClosedError
 
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
 from jobsignal.fanout import Broadcaster, StreamKind
@@ -26,70 +25,14 @@ from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
 from jobsignal.rpc.requests import read_request
 from jobsignal.rpc.session import SessionSettings, serve_subscription
+from jobsignal.rpc.writer import write_frames, write_frames_now
 
 log = logging.getLogger(__name__)
 
 Stream = grpclib.server.Stream[Any, Any]
 
-_UNCOMPRESSED = b"\x00"
-
 REGISTERED = 200
 TOO_MANY_CLIENTS = 429
-
-
-def _frame(frames: list[bytes]) -> bytes:
-    parts: list[bytes] = []
-    for frame in frames:
-        parts += (_UNCOMPRESSED, len(frame).to_bytes(4, "big"), frame)
-    return b"".join(parts)
-
-
-def _write_frames_now(stream: Stream, frames: list[bytes]) -> bool:
-    """Write a batch without waiting, if HTTP/2 lets it go at once; else False.
-
-    The common case (headers sent, socket writable, flow-control window open)
-    needs no asyncio at all: grpclib's HTTP/2 state and the transport are
-    plain objects on this same thread, so the trio task writes directly and
-    skips the trio->asyncio hop that dominates the cost of small batches.
-    Anything that would have to wait goes through `_write_frames` instead.
-    """
-    h2_stream = stream._stream
-    connection = h2_stream.connection
-    if (
-        not stream._send_initial_metadata_done
-        or not connection.write_ready.is_set()
-        or connection.is_closing()
-    ):
-        return False
-    stream_id = h2_stream.id
-    assert stream_id is not None  # set when the request arrived
-    data = _frame(frames)
-    h2_connection = h2_stream._h2_connection
-    try:
-        if h2_connection.local_flow_control_window(stream_id) < len(data):
-            return False
-        frame_size = h2_connection.max_outbound_frame_size
-        for start in range(0, len(data), frame_size):
-            h2_connection.send_data(stream_id, data[start : start + frame_size])
-    except StreamClosedError:
-        return False
-    h2_stream._transport.write(h2_connection.data_to_send())
-    connection.data_send_process()
-    return True
-
-
-async def _write_frames(stream: Stream, frames: list[bytes]) -> None:
-    """Write a batch of pre-encoded messages as one HTTP/2 write.
-
-    gRPC messages may share DATA frames, so the batch is framed (flag byte,
-    big-endian length, message) and handed to grpclib's HTTP/2 stream in one
-    `send_data`, which splits it by flow-control window and frame size. That
-    is one h2 call and one socket write per batch instead of per message.
-    """
-    if not stream._send_initial_metadata_done:
-        await stream.send_initial_metadata()
-    await stream._stream.send_data(_frame(frames))
-    stream._send_message_done = True
 
 
 class JobService:
@@ -201,8 +144,8 @@ class JobService:
 
     async def _serve_stream(self, kind: StreamKind, stream: Stream, request: ClientInfo) -> None:
         activity = self.connections.activity_of(stream)
-        send_frames = functools.partial(trio_asyncio.aio_as_trio(_write_frames), stream)
-        send_now = functools.partial(_write_frames_now, stream)
+        send_frames = functools.partial(trio_asyncio.aio_as_trio(write_frames), stream)
+        send_now = functools.partial(write_frames_now, stream)
         end = await trio_asyncio.trio_as_aio(
             functools.partial(
                 serve_subscription,
