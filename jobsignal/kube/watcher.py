@@ -124,7 +124,7 @@ class Watcher:
                         backoff.reset()
                 await self._watch(namespace, scope, backoff)
                 self.counters.watch_restarts += 1
-                log.debug("watch of %s ended cleanly at %s; watching again", where, scope.version)
+                log.info("watch of %s ended cleanly at %s; watching again", where, scope.version)
             except Gone as gone:
                 self.counters.relists_after_gone += 1
                 scope.version = None
