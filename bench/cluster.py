@@ -13,7 +13,7 @@ several ConfigMaps. Every write stamps its wall-clock time (Unix ns) into the
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import time
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import trio
 import trio.lowlevel
 
-from bench.common import emit, setup_child
+from bench.common import answer_commands, emit, setup_child
 from bench.events import clusterd_job
 from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.kube.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
@@ -69,17 +69,7 @@ class Cluster:
             nursery.cancel_scope.cancel()
 
     async def _commands(self, nursery: trio.Nursery) -> None:
-        stdin = trio.lowlevel.FdStream(os.dup(0))
-        buffer = b""
-        while True:
-            data = await stdin.receive_some(65536)
-            if not data:
-                return
-            buffer += data
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                if line.strip():
-                    emit(self._handle(json.loads(line), nursery))
+        await answer_commands(functools.partial(self._handle, nursery=nursery))
 
     def _handle(self, command: dict[str, Any], nursery: trio.Nursery) -> dict[str, Any]:
         name = command["cmd"]

@@ -21,10 +21,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import trio
+import trio.lowlevel
 
 # Environment variable naming the directory holding job_pb2 / job_pb2_grpc.
 STUBS_ENV = "BENCH_GRPCIO_STUBS"
@@ -145,3 +149,18 @@ def percentiles(values: list[float]) -> Percentiles | None:
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+async def answer_commands(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Answer JSON commands read from stdin, one per line, until stdin closes."""
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    buffer = b""
+    while True:
+        data = await stdin.receive_some(65536)
+        if not data:
+            return
+        buffer += data
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            if line.strip():
+                emit(handle(json.loads(line)))

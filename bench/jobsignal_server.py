@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import gc
 import itertools
-import json
 import os
 import ssl
 import time
@@ -33,6 +33,7 @@ from bench.common import (
     MAX_CLIENTS,
     MAX_MESSAGE_BYTES,
     ROLES,
+    answer_commands,
     emit,
     flood_batch,
     queue_level,
@@ -217,17 +218,7 @@ class Runner:
     # -- commands ----------------------------------------------------------
 
     async def _commands(self, nursery: trio.Nursery) -> None:
-        stdin = trio.lowlevel.FdStream(os.dup(0))
-        buffer = b""
-        while True:
-            data = await stdin.receive_some(65536)
-            if not data:
-                break
-            buffer += data
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                if line.strip():
-                    emit(self._handle(json.loads(line), nursery))
+        await answer_commands(functools.partial(self._handle, nursery=nursery))
         self.shutdown.set()
 
     def _handle(self, command: dict[str, Any], nursery: trio.Nursery) -> dict[str, Any]:

@@ -216,6 +216,7 @@ if __name__ == "__main__":
 import trio  # noqa: E402
 import trio.lowlevel  # noqa: E402
 from grpcio_stubs import GrpcioStubs, cli_env  # noqa: E402
+from rpc import expected_signal  # noqa: E402
 
 from jobsignal.app import RunningJobsignal, run_jobsignal  # noqa: E402
 from jobsignal.config import configure  # noqa: E402
@@ -395,22 +396,10 @@ async def drive_jobs(
 
 
 def job_fields(job: JobSummary) -> dict[str, str]:
-    return {
-        "jobId": job.job_id,
-        "jobName": job.job_name,
-        "namespace": job.namespace,
-        "frameWork": job.framework,
-        "jobStatus": job.job_status,
-        "time": job.time,
-        "cmIndex": "0",
-        "total": job.total,
-        "HcclJson": job.hccl_json,
-        "deleteTime": job.delete_time,
-        "sharedTorIp": job.shared_tor_ip,
-        "masterAddr": job.master_addr,
-        "operator": job.operator,
-        "sid": job.sid,
-    }
+    """The signal fields a client must see for `job`, all but the per-event uuid."""
+    fields = expected_signal(job, "")
+    del fields["uuid"]
+    return fields
 
 
 def cluster_jobs(state: ConfigMapStore) -> dict[str, JobSummary]:
