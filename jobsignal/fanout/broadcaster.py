@@ -25,13 +25,15 @@ from jobsignal.store.model import JobKey, JobSummary
 DEFAULT_BATCH_NPUS = 40_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EncodedJob:
-    """The latest event of a live job: its state, uuid and encoded signal."""
+    """The latest event of a live job: its state, its uuid and, once someone
+    needs it, its encoded signal (an initial LIST with nobody subscribed yet
+    then costs no encoding at all)."""
 
     job: JobSummary
     uuid: str
-    signal: bytes
+    encoded: bytes | None = None
 
 
 class Broadcaster:
@@ -85,12 +87,15 @@ class Broadcaster:
         stats = self.stats
         for job in jobs:
             key = job.key
-            event_uuid = str(uuid.uuid4())
-            signal = self._encode(job, event_uuid)
+            event = EncodedJob(job, str(uuid.uuid4()))
             if job.is_deleted:
                 self._latest.pop(key, None)
             else:
-                self._latest[key] = EncodedJob(job, event_uuid, signal)
+                self._latest[key] = event
+            stats.events_published += 1
+            if not (self._signal_subscribers or self._list_subscribers):
+                continue
+            signal = self._signal(event)
             entry: QueueEntry = (key, signal, seen_at)
             for subscriber in self._signal_subscribers:
                 subscriber.push_entry(entry)
@@ -100,7 +105,6 @@ class Broadcaster:
                 for subscriber in self._list_subscribers:
                     subscriber.push_entry(entry)
             stats.messages_queued += len(self._signal_subscribers) + len(self._list_subscribers)
-            stats.events_published += 1
 
     # -- subscriptions -----------------------------------------------------
 
@@ -121,7 +125,7 @@ class Broadcaster:
                 subscriber.push_unique(batch)
         elif snapshot:
             for entry in self._latest.values():
-                subscriber.push(entry.job.key, entry.signal)
+                subscriber.push(entry.job.key, self._signal(entry))
         self._set_of(kind).add(subscriber)
         return subscriber
 
@@ -145,7 +149,6 @@ class Broadcaster:
         batch_npus = batch_bytes = 0
         for entry in self._latest.values():
             npus = entry.job.npu_count
-            size = len(entry.signal) + 8
             if npus > self._batch_npus:
                 if batch:
                     yield encode_signal_list(batch, report_time, total)
@@ -153,17 +156,24 @@ class Broadcaster:
                 stripped = encode_signal(entry.job, entry.uuid, strip_rank_table=True)
                 yield encode_signal_list([stripped], report_time, total)
                 continue
+            signal = self._signal(entry)
+            size = len(signal) + 8
             too_big = batch_bytes + size + 64 > self._max_message_bytes
             if batch and (batch_npus + npus > self._batch_npus or too_big):
                 yield encode_signal_list(batch, report_time, total)
                 batch, batch_npus, batch_bytes = [], 0, 0
-            batch.append(entry.signal)
+            batch.append(signal)
             batch_npus += npus
             batch_bytes += size
         if batch or total == 0:
             # An empty cluster still answers with one (empty) batch so the
             # client learns JobTotalNum = 0 and the ReportTime of the state.
             yield encode_signal_list(batch, report_time, total)
+
+    def _signal(self, event: EncodedJob) -> bytes:
+        if event.encoded is None:
+            event.encoded = self._encode(event.job, event.uuid)
+        return event.encoded
 
     def _encode(self, job: JobSummary, event_uuid: str) -> bytes:
         """Encode a signal; one above the send limit goes out without its rank table

@@ -119,7 +119,8 @@ def parse_slice(configmap: Mapping[str, Any]) -> Slice:
         sid=text("sid"),
     )
     hccl_raw = text("hccl.json")
-    header, servers, npu_count = _parse_rank_table(ref, hccl_raw)
+    # Only a job split over several ConfigMaps needs its table taken apart.
+    header, servers, npu_count = _parse_rank_table(ref, hccl_raw, split=total > 1)
     return Slice(ref, fields, cm_index, hccl_raw, header, servers, npu_count)
 
 
@@ -145,8 +146,14 @@ def _compact(value: Any) -> str:
 
 
 def _parse_rank_table(
-    ref: ConfigMapRef, raw: str
+    ref: ConfigMapRef, raw: str, *, split: bool
 ) -> tuple[tuple[tuple[str, str], ...] | None, tuple[str, ...], int]:
+    """Validate hccl.json; return (header, servers, NPU count).
+
+    With `split` the header and servers come back as compact JSON pieces for
+    reassembly; without it (a single-ConfigMap job, whose text is served as
+    it is) they stay empty, which saves re-encoding every server.
+    """
     if not raw.strip():
         return None, (), 0
     try:
@@ -158,12 +165,14 @@ def _parse_rank_table(
     server_list = table.get(SERVER_LIST_KEY, [])
     if not isinstance(server_list, list) or not all(isinstance(s, dict) for s in server_list):
         raise BadConfigMap("bad_hccl_json", f"{ref}: server_list is not a list of objects")
-    header = tuple(
-        (key, SERVER_LIST_SLOT if key == SERVER_LIST_KEY else _compact(value))
-        for key, value in table.items()
-    )
     npu_count = 0
     for server in server_list:
         devices = server.get("device", [])
         npu_count += len(devices) if isinstance(devices, list) else 0
+    if not split:
+        return (), (), npu_count
+    header = tuple(
+        (key, SERVER_LIST_SLOT if key == SERVER_LIST_KEY else _compact(value))
+        for key, value in table.items()
+    )
     return header, tuple(_compact(s) for s in server_list), npu_count
