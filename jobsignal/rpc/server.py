@@ -186,12 +186,13 @@ async def _stop(
     assert server._server is not None
     server._server.close()  # stop accepting; live connections stay for the trailers
     broadcaster.end_all(EndReason.SHUTDOWN)
-    with trio.move_on_after(grace):
+    deadline = trio.current_time() + grace  # the whole stop fits in the grace period
+    with trio.move_on_at(deadline):
         # Handlers, not just subscriptions: the trailers are written on the
         # asyncio side after the trio session has already returned.
         await service.wait_streams_closed()
     server.close()
     connections.close_all()
-    with trio.move_on_after(grace):
+    with trio.move_on_at(deadline):
         await trio_asyncio.aio_as_trio(server.wait_closed)()
     log.info("gRPC server stopped")
