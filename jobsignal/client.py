@@ -49,7 +49,9 @@ class SubscribeOptions:
 Signal: TypeAlias = JobSummarySignal | JobSummarySignalList
 
 
-def _channel(options: SubscribeOptions) -> Channel:
+async def _open_channel(options: SubscribeOptions) -> Channel:
+    # Async so it runs on the asyncio side: grpclib binds the channel to the
+    # running asyncio loop when it is created.
     config = Configuration(
         _keepalive_time=options.keepalive_time,
         _keepalive_timeout=10.0,
@@ -113,8 +115,3 @@ async def open_subscription(options: SubscribeOptions) -> AsyncIterator[AsyncIte
     # Close the generator (and its channel) while the loop still runs.
     async with trio_asyncio.open_loop(), aclosing(subscribe(options)) as signals:
         yield signals
-
-
-async def _open_channel(options: SubscribeOptions) -> Channel:
-    # grpclib binds the channel to the running asyncio loop when it is created.
-    return _channel(options)

@@ -24,9 +24,10 @@ class PingPolicy:
 
 
 class ConnectionActivity:
-    def __init__(self, policy: PingPolicy, peer: str) -> None:
+    def __init__(self, policy: PingPolicy, peer: str, ip: str = "") -> None:
         self.policy = policy
-        self.peer = peer
+        self.peer = peer  # "address:port", for logs
+        self.ip = ip or peer  # the client address that limits are counted per
         self.heartbeat_listeners: set[Callable[[], None]] = set()
         self.pings_received = 0
         self.strikes = 0

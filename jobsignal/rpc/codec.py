@@ -28,12 +28,16 @@ class PassthroughCodec(CodecBase):
         encoded: bytes = message.SerializeToString()
         return encoded
 
-    def decode(self, data: bytes, message_type: Any) -> Any:
-        if len(data) > self.max_request_bytes:
+    def check_request_size(self, size: int) -> None:
+        """RESOURCE_EXHAUSTED for a request above the limit (also used before buffering)."""
+        if size > self.max_request_bytes:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
-                f"request of {len(data)} bytes exceeds the limit of {self.max_request_bytes}",
+                f"request of {size} bytes exceeds the limit of {self.max_request_bytes}",
             )
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        self.check_request_size(len(data))
         try:
             _strict_check(data, message_type)
             return message_type.FromString(data)

@@ -92,7 +92,7 @@ class ObservedH2Protocol(H2Protocol):
         peer = transport.get_extra_info("peername")
         self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.activity = ConnectionActivity(self._table.ping_policy, peer_text)
+        self.activity = ConnectionActivity(self._table.ping_policy, peer_text, self.ip)
         self._refusal = self._table.counter.refusal(self.ip)
         if self._refusal is not None:
             # Answer the first request with a status the client can read, then go.

@@ -18,14 +18,17 @@ import grpclib.server
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from jobsignal.rpc.codec import PassthroughCodec
+
 T = TypeVar("T")
 
 _PREFIX = struct.Struct(">?I")
 
 
-async def read_request(
-    stream: grpclib.server.Stream[Any, Any], message_type: type[T], max_bytes: int
-) -> T:
+async def read_request(stream: grpclib.server.Stream[Any, Any], message_type: type[T]) -> T:
+    """The request message; the size limit is the server codec's (`PassthroughCodec`)."""
+    codec = stream._codec
+    assert isinstance(codec, PassthroughCodec)
     h2_stream = stream._stream
     prefix = await _receive(h2_stream, _PREFIX.size)
     if len(prefix) < _PREFIX.size:
@@ -33,15 +36,11 @@ async def read_request(
     compressed, length = _PREFIX.unpack(prefix)
     if compressed:
         raise GRPCError(Status.UNIMPLEMENTED, "compressed requests are not supported")
-    if length > max_bytes:
-        raise GRPCError(
-            Status.RESOURCE_EXHAUSTED,
-            f"request of {length} bytes exceeds the limit of {max_bytes}",
-        )
+    codec.check_request_size(length)
     body = await _receive(h2_stream, length)
     if len(body) < length:
         raise _truncated()
-    message: T = stream._codec.decode(body, message_type)
+    message: T = codec.decode(body, message_type)
     return message
 
 

@@ -120,7 +120,6 @@ async def run_grpc_server(
         broadcaster=broadcaster,
         settings=settings.session,
         connections=connections,
-        max_request_bytes=settings.max_request_bytes,
     )
     ready_health, source_health = ServiceStatus(), ServiceStatus()
     health = Health(

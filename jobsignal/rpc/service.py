@@ -45,13 +45,11 @@ class JobService:
         broadcaster: Broadcaster,
         settings: SessionSettings,
         connections: ConnectionTable,
-        max_request_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self.registry = registry
         self.broadcaster = broadcaster
         self.settings = settings
         self.connections = connections
-        self.max_request_bytes = max_request_bytes
         # Subscribe handlers that have not yet written their trailers: shutdown
         # waits for them, so every stream learns why it ended.
         self._open_streams = 0
@@ -64,8 +62,7 @@ class JobService:
     async def _refuse_if_over_limits(self, stream: Stream, limiter: RateLimiter, what: str) -> bool:
         """Answer RESOURCE_EXHAUSTED and return True when a limit is hit."""
         refusal = self.connections.stream_limit_refusal(stream)
-        address = stream.peer.addr()
-        ip = str(address[0]) if address else "unknown"
+        ip = self.connections.activity_of(stream).ip
         if refusal is None and not limiter.allow(ip):
             refusal = (
                 f"rate limit: at most {limiter.rate:g} {what} calls per second"
@@ -100,13 +97,14 @@ class JobService:
         }
 
     async def register(self, stream: Stream) -> None:
-        request = await read_request(stream, ClientInfo, self.max_request_bytes)
+        request = await read_request(stream, ClientInfo)
         if await self._refuse_if_over_limits(stream, self.register_limiter, "Register"):
             return
         try:
             client_id = self.registry.register(request.role, trio.current_time())
         except Refused as refusal:
-            log.info("register refused: %s (peer %s)", refusal.message, _peer(stream))
+            peer = self.connections.activity_of(stream).peer
+            log.info("register refused: %s (peer %s)", refusal.message, peer)
             await stream.send_trailing_metadata(
                 status=refusal.status, status_message=refusal.message
             )
@@ -125,7 +123,7 @@ class JobService:
         )
 
     async def subscribe(self, kind: StreamKind, stream: Stream) -> None:
-        request = await read_request(stream, ClientInfo, self.max_request_bytes)
+        request = await read_request(stream, ClientInfo)
         if await self._refuse_if_over_limits(stream, self.subscribe_limiter, "Subscribe"):
             return
         self._open_streams += 1
@@ -163,8 +161,3 @@ class JobService:
         await stream.send_trailing_metadata(status=end.status, status_message=end.message)
         if end.close_connection_if_unused:
             self.connections.close_if_unused(stream)
-
-
-def _peer(stream: Stream) -> str:
-    address = stream.peer.addr()
-    return f"{address[0]}:{address[1]}" if address else "unknown"
