@@ -23,6 +23,10 @@ from jobsignal.app import RunningJobsignal
 from jobsignal.app import run_jobsignal as serve
 from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription, subscribe
 from jobsignal.config import Config, ConfigError, configure
+from jobsignal.rpc import _grpclib
+
+# Before any grpclib handler or call runs on trio-asyncio (Python 3.12+).
+_grpclib.install()
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,8 @@
-"""Logging set-up: readable lines by default, one JSON object per line on request."""
+"""Logging: set-up (readable lines, or one JSON object per line), and the two
+helpers every fault boundary uses: `quote` bounds how much of an untrusted
+value reaches a log line, `RateLimitedLog` bounds how many lines one kind of
+fault can write, so a hostile peer cannot flood the log.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,79 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
+
+import trio
+
+QUOTE_LIMIT = 200
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """`repr(value)`, cut to at most `limit` characters (plus a note of what was cut)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...({len(text) - limit} more characters)"
+
+
+def _now() -> float:
+    try:
+        return trio.current_time()
+    except RuntimeError:  # outside trio (plain unit tests, asyncio-only callers)
+        return time.monotonic()
+
+
+class RateLimitedLog:
+    """At most `burst` lines per `key` per `interval` seconds; the rest are counted.
+
+    When a key's window has passed, its next line first says how many were
+    suppressed. Keys are kinds of fault (for example "rapid_reset"), never
+    peer-controlled text, so the table stays small.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        burst: int = 5,
+        interval: float = 60.0,
+        clock: Callable[[], float] = _now,
+    ) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.interval = interval
+        self._clock = clock
+        # key -> (window start, lines written in it, lines suppressed in it)
+        self._windows: dict[str, tuple[float, int, int]] = {}
+
+    def log(
+        self, level: int, key: str, message: str, *args: object, exc_info: bool = False
+    ) -> bool:
+        """Log unless `key` is over its budget; True when the line was written."""
+        now = self._clock()
+        start, written, suppressed = self._windows.get(key, (now, 0, 0))
+        if now - start >= self.interval:
+            if suppressed:
+                self.logger.log(
+                    level,
+                    "%s: %d similar messages suppressed in %.0fs",
+                    key,
+                    suppressed,
+                    now - start,
+                )
+            start, written, suppressed = now, 0, 0
+        if written >= self.burst:
+            self._windows[key] = (start, written, suppressed + 1)
+            return False
+        self._windows[key] = (start, written + 1, suppressed)
+        self.logger.log(level, message, *args, exc_info=exc_info)
+        return True
+
+    def warning(self, key: str, message: str, *args: object, exc_info: bool = False) -> bool:
+        return self.log(logging.WARNING, key, message, *args, exc_info=exc_info)
+
+    def error(self, key: str, message: str, *args: object, exc_info: bool = False) -> bool:
+        return self.log(logging.ERROR, key, message, *args, exc_info=exc_info)
 
 
 class JsonFormatter(logging.Formatter):

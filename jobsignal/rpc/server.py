@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,8 @@ class RunningServer:
     connections: ConnectionTable
     registry: Registry
     stopped: trio.Event
+    # Unexpected exceptions caught at the handler boundary, by RPC.
+    handler_errors: Counter[str]
 
 
 def _grpclib_config(settings: ServerSettings) -> Configuration:
@@ -163,7 +166,9 @@ async def run_grpc_server(
             mode = "mutual TLS" if tls.files.mutual else "TLS"
             log.info("gRPC listening on %s:%d with %s", bound[0], bound[1], mode)
             nursery.start_soon(tls.run_reloader, settings.tls_reload_interval)
-        running = RunningServer(bound[0], bound[1], connections, registry, trio.Event())
+        running = RunningServer(
+            bound[0], bound[1], connections, registry, trio.Event(), service.handler_errors
+        )
         task_status.started(running)
         try:
             await shutdown.wait()

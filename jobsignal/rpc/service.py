@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpclib.const
 import grpclib.server
+import h2.exceptions
 import trio
 import trio_asyncio
+from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
 from jobsignal.fanout import Broadcaster, StreamKind
+from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
@@ -28,8 +33,14 @@ from jobsignal.rpc.session import SessionSettings, serve_subscription
 from jobsignal.rpc.writer import write_frames, write_frames_now
 
 log = logging.getLogger(__name__)
+fault_log = RateLimitedLog(log)
 
 Stream = grpclib.server.Stream[Any, Any]
+Handler = Callable[[Stream], Awaitable[None]]
+
+# How grpclib itself ends a stream (a status we chose, the client's reset, a
+# deadline, a peer that broke the protocol): not faults of ours.
+_STREAM_ENDINGS = (GRPCError, StreamTerminatedError, TimeoutError, h2.exceptions.ProtocolError)
 
 REGISTERED = 200
 TOO_MANY_CLIENTS = 429
@@ -58,6 +69,42 @@ class JobService:
         limits = connections.limits
         self.register_limiter = RateLimiter(limits.register_rate, limits.register_burst)
         self.subscribe_limiter = RateLimiter(limits.subscribe_rate, limits.subscribe_burst)
+        # Unexpected exceptions caught at the handler boundary, by RPC.
+        self.handler_errors: Counter[str] = Counter()
+
+    def _fault_boundary(self, rpc: str, handler: Handler) -> Handler:
+        """End only this stream, with INTERNAL, when `handler` fails unexpectedly.
+
+        grpclib would answer UNKNOWN "Internal Server Error" and log to its own
+        (silenced) logger; this logs the RPC and the peer, rate-limited, and
+        counts the fault, so a bug that one request triggers is seen.
+        """
+
+        async def guarded(stream: Stream) -> None:
+            try:
+                await handler(stream)
+            except _STREAM_ENDINGS:
+                raise
+            except Exception:
+                self.handler_errors[rpc] += 1
+                fault_log.error(
+                    f"handler_error:{rpc}",
+                    "unexpected error in %s from %s; the stream ends with INTERNAL",
+                    rpc,
+                    self._peer_text(stream),
+                    exc_info=True,
+                )
+                raise GRPCError(
+                    grpclib.const.Status.INTERNAL, "internal server error (logged by the server)"
+                ) from None
+
+        return guarded
+
+    def _peer_text(self, stream: Stream) -> str:
+        try:
+            return self.connections.activity_of(stream).peer
+        except KeyError:  # a refused connection is not in the table
+            return "unknown peer"
 
     async def _refuse_if_over_limits(self, stream: Stream, limiter: RateLimiter, what: str) -> bool:
         """Answer RESOURCE_EXHAUSTED and return True when a limit is hit."""
@@ -81,15 +128,23 @@ class JobService:
         unary = grpclib.const.Cardinality.UNARY_UNARY
         streaming = grpclib.const.Cardinality.UNARY_STREAM
         return {
-            "/job.Job/Register": grpclib.const.Handler(self.register, unary, ClientInfo, Status),
+            "/job.Job/Register": grpclib.const.Handler(
+                self._fault_boundary("Register", self.register), unary, ClientInfo, Status
+            ),
             "/job.Job/SubscribeJobSummarySignal": grpclib.const.Handler(
-                functools.partial(self.subscribe, StreamKind.SIGNAL),
+                self._fault_boundary(
+                    "SubscribeJobSummarySignal",
+                    functools.partial(self.subscribe, StreamKind.SIGNAL),
+                ),
                 streaming,
                 ClientInfo,
                 JobSummarySignal,
             ),
             "/job.Job/SubscribeJobSummarySignalList": grpclib.const.Handler(
-                functools.partial(self.subscribe, StreamKind.LIST),
+                self._fault_boundary(
+                    "SubscribeJobSummarySignalList",
+                    functools.partial(self.subscribe, StreamKind.LIST),
+                ),
                 streaming,
                 ClientInfo,
                 JobSummarySignalList,

@@ -1,0 +1,39 @@
+"""The handler boundary: an unexpected exception ends only its own stream, seen and counted."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+from grpcio_stubs import GrpcioClients
+
+from jobsignal.rpc.registry import Registry
+
+from . import in_thread, open_jobsignal_server, rpc_error
+
+
+async def test_an_unexpected_error_in_a_handler_is_internal_logged_and_counted(
+    grpc_clients: GrpcioClients,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken_register(self: Registry, role: str, now: float) -> str:
+        raise RuntimeError("a bug one request can reach")
+
+    async with open_jobsignal_server() as server:
+        client = grpc_clients.connect(server.target)
+        with monkeypatch.context() as patch, caplog.at_level(logging.ERROR):
+            patch.setattr(Registry, "register", broken_register)
+            error = await rpc_error(lambda: client.register("CCAgent"))
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert "logged by the server" in error.details()
+        assert server.running.handler_errors["Register"] == 1
+        (record,) = [r for r in caplog.records if "unexpected error in Register" in r.getMessage()]
+        assert "127.0.0.1:" in record.getMessage()
+        assert record.exc_info is not None and "a bug one request can reach" in str(
+            record.exc_info[1]
+        )
+        # The server, and the same connection, go on serving.
+        reply = await in_thread(client.register, "CCAgent")
+        assert reply.code == 200
