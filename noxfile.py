@@ -1,12 +1,16 @@
 """Developer and CI sessions: tests, lint, typecheck, and protobuf code generation.
 
-`nox` with no arguments runs what CI runs (tests, lint, typecheck, protos_check).
+`nox` with no arguments runs what CI runs: tests and typecheck on every
+supported Python (3.11, 3.12, 3.13), lint and protos_check once. A missing
+interpreter fails the run; `nox --force-python 3.12` runs every session on one.
 """
 
 from __future__ import annotations
 
 import filecmp
+import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -19,13 +23,47 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 PROTO_DIR = ROOT / "protos"
 GENERATED_DIR = ROOT / "jobsignal" / "_proto"
-PYTHON = "3.11"
+# Every supported Python; pyproject.toml's requires-python and classifiers say the same.
+PYTHONS = ["3.11", "3.12", "3.13"]
+# Sessions whose output must not depend on the interpreter run on the oldest.
+PYTHON = PYTHONS[0]
 
 # The compiler pipes its output through ruff, so the generated text depends on
 # the exact versions of all three.
 CODEGEN_DEPS = ["betterproto2-compiler==0.10.1", "grpcio-tools==1.85.1", "ruff==0.17.6"]
 LINT_DEPS = ["ruff==0.17.6"]
 TYPECHECK_DEPS = ["mypy==2.4.1", "types-PyYAML", "nox"]
+
+
+def _activate_pyenv_pythons() -> None:
+    """Let pyenv's shims run every installed supported Python, not only the active one.
+
+    A pyenv shim such as `python3.12` fails unless that version is active, so
+    nox would report the interpreter as broken. When PYENV_VERSION is unset,
+    make the newest installed patch release of each supported version active,
+    after the ones already active (which stay the default `python3`).
+    """
+    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+        return
+
+    def pyenv(*args: str) -> list[str]:
+        done = subprocess.run(["pyenv", *args], capture_output=True, text=True, check=False)
+        return done.stdout.split() if done.returncode == 0 else []
+
+    active = [v for line in pyenv("version-name") for v in line.split(":")]
+    installed = pyenv("versions", "--bare")
+
+    def newest(minor: str) -> list[str]:
+        matches = [
+            v for v in installed if v.startswith(minor + ".") and v[len(minor) + 1 :].isdigit()
+        ]
+        return sorted(matches, key=lambda v: int(v.rsplit(".", 1)[1]))[-1:]
+
+    wanted = [*active, *(v for minor in PYTHONS for v in newest(minor))]
+    os.environ["PYENV_VERSION"] = ":".join(dict.fromkeys(wanted))
+
+
+_activate_pyenv_pythons()
 
 
 def _generate(session: nox.Session, out_dir: Path) -> None:
@@ -51,7 +89,7 @@ def _tree_differs(left: Path, right: Path) -> list[str]:
     return problems
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     """Run the whole test suite (unit, integration over loopback, grpcio interop)."""
     session.install("-e", ".[test]")
@@ -66,11 +104,11 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHONS)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over the package, the tests and this file."""
+    """mypy --strict over the package, the tests and this file, against this Python's typeshed."""
     session.install("-e", ".[test]", *TYPECHECK_DEPS)
-    session.run("mypy", "--strict")
+    session.run("mypy", "--strict", "--python-version", str(session.python))
 
 
 @nox.session(python=PYTHON)
