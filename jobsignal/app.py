@@ -29,7 +29,7 @@ from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.demo import run_demo_cluster
 from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.metrics import MetricSources, render
-from jobsignal.metrics_server import run_metrics_server
+from jobsignal.metrics_server import HttpStats, run_metrics_server
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.registry import Registry
@@ -173,6 +173,7 @@ def metric_sources(
     store: JobStore,
     watcher: Watcher,
     status: SourceStatus,
+    http_stats: HttpStats,
 ) -> MetricSources:
     def subscribers() -> Counter[tuple[str, str]]:
         return Counter((s.kind.value, s.role) for s in broadcaster.subscribers)
@@ -184,6 +185,7 @@ def metric_sources(
         registrations_expired=lambda: registry.expired_total,
         connections=lambda: len(server.connections),
         ping_floods=lambda: server.connections.ping_floods,
+        http_errors=lambda: http_stats.errors,
         jobs=store.live_job_count,
         configmaps_rejected=lambda: store.rejected_total,
         watch_counters=lambda: dataclasses.asdict(watcher.counters),
@@ -256,10 +258,16 @@ async def run_jobsignal(
         )
         metrics_port = None
         if config.metrics_listen is not None:
-            sources = metric_sources(broadcaster, registry, server, store, watcher, status)
+            http_stats = HttpStats()
+            sources = metric_sources(
+                broadcaster, registry, server, store, watcher, status, http_stats
+            )
             host, port = config.metrics_listen
             metrics_port = await nursery.start(
-                run_metrics_server, host, port, partial(render, sources)
+                partial(run_metrics_server, stats=http_stats),
+                host,
+                port,
+                partial(render, sources),
             )
         nursery.start_soon(_freeze_after_first_list, status)
         task_status.started(

@@ -110,6 +110,7 @@ class MetricSources:
     registrations_expired: Callable[[], int]
     connections: Callable[[], int]
     ping_floods: Callable[[], int]
+    http_errors: Callable[[], Counter[str]]
     jobs: Callable[[], int]
     configmaps_rejected: Callable[[], Counter[str]]
     watch_counters: Callable[[], dict[str, int]]
@@ -144,6 +145,13 @@ def render(sources: MetricSources) -> str:
         "counter",
         "Connections closed with GOAWAY too_many_pings.",
         sources.ping_floods(),
+    )
+    out.family(
+        "jobsignal_http_errors_total",
+        "counter",
+        "Metrics-port HTTP connections ended by a fault, by reason (bad_request,"
+        " headers_too_large, timeout, internal).",
+        [({"reason": r}, n) for r, n in sorted(sources.http_errors().items())],
     )
     out.single("jobsignal_jobs", "gauge", "Live jobs in the store.", sources.jobs())
     out.single(

@@ -1,65 +1,205 @@
-"""A minimal HTTP endpoint for Prometheus: GET /metrics, plus GET /healthz.
+"""The metrics HTTP endpoint: GET or HEAD /metrics and /healthz, nothing else.
 
 HTTP/1.1 over trio with h11; one short request per connection is all a
-scraper needs, so connections are closed after each response and every read
-is bounded in time and size.
+scraper needs, so connections are closed after each response and each one is
+bounded in time (`CONNECTION_TIMEOUT`) and request size (`MAX_REQUEST_BYTES`).
+
+Each connection is a fault boundary: a request h11 cannot parse gets 400 (or
+431 for oversized headers), a client too slow to finish gets 408, and any
+unexpected exception while handling one connection ends that connection only
+(with 500 when a response can still be sent). Each such ending is counted in
+`HttpStats.errors` (the `jobsignal_http_errors_total` metric) and logged at
+a bounded rate, and the server goes on accepting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
 
 import h11
 import trio
 
+from jobsignal.logs import RateLimitedLog, quote
+
 log = logging.getLogger(__name__)
+fault_log = RateLimitedLog(log)
 
-READ_TIMEOUT = 10.0
+# The whole exchange, from accepting to the last byte of the response: a client
+# that never finishes its request (or never reads the answer) is let go then.
+CONNECTION_TIMEOUT = 10.0
 MAX_REQUEST_BYTES = 16 * 1024
+# After the response: how long, and how much, to read the client's leftovers
+# before closing, so that unread bytes do not make the kernel send a reset
+# that destroys the response before the client has read it.
+LINGER_TIME = 1.0
+LINGER_BYTES = 64 * 1024
+# Sending a short error response to a client that may not be reading.
+ERROR_SEND_TIMEOUT = 1.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ALLOWED_METHODS = "GET, HEAD"
 
 
-async def _respond(
-    stream: trio.SocketStream, conn: h11.Connection, status: int, body: bytes
-) -> None:
+@dataclass
+class HttpStats:
+    """Connections ended by a fault, by reason.
+
+    Reasons: bad_request (400), headers_too_large (431), timeout (408 if it
+    could still be sent), internal (an unexpected exception: 500).
+    """
+
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+def route(method: bytes, target: bytes, render: Callable[[], str]) -> Reply:
+    """The reply to one request (for HEAD, the body is computed and not sent)."""
+    if method not in (b"GET", b"HEAD"):
+        return Reply(405, b"only GET and HEAD\n", (("allow", ALLOWED_METHODS),))
+    path = target.split(b"?")[0]
+    if path == b"/metrics":
+        return Reply(200, render().encode())
+    if path == b"/healthz":
+        return Reply(200, b"ok\n")
+    return Reply(404, b"try /metrics\n")
+
+
+def _response(conn: h11.Connection, reply: Reply, *, with_body: bool) -> bytes:
     headers = [
         ("content-type", CONTENT_TYPE),
-        ("content-length", str(len(body))),
+        ("content-length", str(len(reply.body))),
         ("connection", "close"),
+        *reply.headers,
     ]
-    data = conn.send(h11.Response(status_code=status, headers=headers))
-    data += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
-    await stream.send_all(data)
+    reason = HTTPStatus(reply.status).phrase.encode()
+    data = conn.send(h11.Response(status_code=reply.status, headers=headers, reason=reason))
+    if with_body:
+        data += conn.send(h11.Data(data=reply.body))
+    return data + conn.send(h11.EndOfMessage())
 
 
-async def _serve_connection(stream: trio.SocketStream, render: Callable[[], str]) -> None:
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
-    try:
-        with trio.move_on_after(READ_TIMEOUT):
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    data = await stream.receive_some(4096)
-                    conn.receive_data(data)
-                    if not data:
-                        return
-                    continue
-                if isinstance(event, h11.Request):
-                    path = event.target.split(b"?")[0]
-                    if event.method != b"GET":
-                        await _respond(stream, conn, 405, b"only GET\n")
-                    elif path == b"/metrics":
-                        await _respond(stream, conn, 200, render().encode())
-                    elif path == b"/healthz":
-                        await _respond(stream, conn, 200, b"ok\n")
-                    else:
-                        await _respond(stream, conn, 404, b"try /metrics\n")
+class _Connection:
+    """One accepted connection: its h11 state, who it is, what was sent."""
+
+    def __init__(self, stream: trio.SocketStream, stats: HttpStats) -> None:
+        self.stream = stream
+        self.stats = stats
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
+        self.peer = _peer_of(stream)
+        self.response_started = False
+
+    async def send(self, reply: Reply, *, with_body: bool = True) -> None:
+        data = _response(self.h11, reply, with_body=with_body)
+        self.response_started = True
+        await self.stream.send_all(data)
+
+    async def send_error(self, status: int) -> None:
+        """Best effort: the client may already be gone or not reading."""
+        if self.response_started:
+            return  # too late for a status line: closing is all that is left
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            # Our own h11 state broke (the fault being handled): a fresh one
+            # can still write a well-formed response, as nothing was sent yet.
+            self.h11 = h11.Connection(h11.SERVER)
+        body = f"{status} {HTTPStatus(status).phrase}\n".encode()
+        gone = (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError)
+        with trio.move_on_after(ERROR_SEND_TIMEOUT), contextlib.suppress(*gone):
+            await self.send(Reply(status, body))
+
+    async def read_request(self) -> h11.Request | None:
+        """The next request, or None if the client closed before sending one."""
+        while True:
+            event = self.h11.next_event()
+            if event is h11.NEED_DATA:
+                self.h11.receive_data(await self.stream.receive_some(4096))
+            elif isinstance(event, h11.Request):
+                return event
+            elif isinstance(event, h11.ConnectionClosed):
+                return None
+            else:  # nothing else can come before a request; h11 would have raised
+                raise AssertionError(f"unexpected HTTP event before a request: {event!r}")
+
+    async def exchange(self, render: Callable[[], str]) -> None:
+        with trio.move_on_after(CONNECTION_TIMEOUT) as deadline:
+            try:
+                request = await self.read_request()
+            except h11.RemoteProtocolError as error:
+                status = error.error_status_hint
+                self.fault(
+                    "headers_too_large" if status == 431 else "bad_request", quote(str(error))
+                )
+                await self.send_error(status)
                 return
-    except (h11.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-        return
+            if request is None:
+                return
+            reply = route(request.method, request.target, render)
+            await self.send(reply, with_body=request.method != b"HEAD")
+        if deadline.cancelled_caught:
+            self.fault("timeout", f"no complete exchange within {CONNECTION_TIMEOUT:g}s")
+            await self.send_error(408)
+
+    def fault(self, reason: str, detail: str) -> None:
+        self.stats.errors[reason] += 1
+        fault_log.log(
+            logging.INFO, f"http:{reason}", "metrics HTTP %s from %s: %s", reason, self.peer, detail
+        )
+
+
+async def _close_gently(stream: trio.SocketStream) -> None:
+    """Half-close, read (and drop) what the client still sends, then close."""
+    try:
+        with trio.move_on_after(LINGER_TIME):
+            await stream.send_eof()
+            drained = 0
+            while drained < LINGER_BYTES:
+                data = await stream.receive_some(4096)
+                if not data:
+                    break
+                drained += len(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
     finally:
         await trio.aclose_forcefully(stream)
+
+
+def _peer_of(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except (OSError, ValueError):
+        return "unknown peer"
+    return f"{host}:{port}"
+
+
+async def serve_connection(
+    stream: trio.SocketStream, render: Callable[[], str], stats: HttpStats
+) -> None:
+    """Answer one request on `stream`; raises nothing but cancellation."""
+    connection = _Connection(stream, stats)
+    try:
+        await connection.exchange(render)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the client went away: nothing to answer, nothing wrong with us
+    except Exception:
+        stats.errors["internal"] += 1
+        fault_log.error(
+            "http:internal",
+            "unexpected error serving metrics HTTP to %s; the connection ends with 500",
+            connection.peer,
+            exc_info=True,
+        )
+        await connection.send_error(500)
+    finally:
+        await _close_gently(stream)
 
 
 async def run_metrics_server(
@@ -67,15 +207,17 @@ async def run_metrics_server(
     port: int,
     render: Callable[[], str],
     *,
+    stats: HttpStats | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve metrics until cancelled; reports the bound port once listening."""
+    stats = HttpStats() if stats is None else stats
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     task_status.started(bound)
 
     async def handler(stream: trio.SocketStream) -> None:
-        await _serve_connection(stream, render)
+        await serve_connection(stream, render, stats)
 
     await trio.serve_listeners(handler, listeners)
