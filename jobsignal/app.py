@@ -95,6 +95,17 @@ def server_settings(config: Config) -> ServerSettings:
     )
 
 
+def registry_for(config: Config) -> Registry:
+    return Registry(
+        roles=config.roles,
+        max_registrations=config.max_registrations,
+        max_subscriptions_per_role=config.max_subscriptions_per_role,
+        ttl=config.registration_ttl,
+        max_registrations_per_ip=config.max_registrations_per_ip,
+        max_subscriptions_per_role_per_ip=config.max_subscriptions_per_role_per_ip,
+    )
+
+
 def tls_files(config: Config) -> TlsFiles | None:
     if not config.tls_cert:
         return None
@@ -241,12 +252,7 @@ async def run_jobsignal(
         max_pending_bytes=config.max_pending_bytes,
         max_message_bytes=config.max_send_bytes,
     )
-    registry = Registry(
-        roles=config.roles,
-        max_registrations=config.max_registrations,
-        max_subscriptions_per_role=config.max_subscriptions_per_role,
-        ttl=config.registration_ttl,
-    )
+    registry = registry_for(config)
     async with trio.open_nursery() as nursery:
         if handle_signals:
             nursery.start_soon(_handle_signals, shutdown, nursery.cancel_scope)

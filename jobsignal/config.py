@@ -149,7 +149,21 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         "roles whose SubscribeJobSummarySignal starts with the current state of every job",
     ),
     Setting("max_subscriptions_per_role", "20", _positive_int, "active subscriptions per role"),
+    Setting(
+        "max_subscriptions_per_role_per_ip",
+        "10",
+        _positive_int,
+        "active subscriptions of one role held by one client address (keep it below"
+        " --max-subscriptions-per-role, or one address can take all of a role's slots)",
+    ),
     Setting("max_registrations", "1024", _positive_int, "registered client ids held at once"),
+    Setting(
+        "max_registrations_per_ip",
+        "128",
+        _positive_int,
+        "registered ids not yet subscribed held by one client address (keep it below"
+        " --max-registrations, or one address can fill the registry)",
+    ),
     Setting(
         "registration_ttl",
         "300",
@@ -229,7 +243,9 @@ class Config:
     roles: tuple[str, ...]
     snapshot_roles: tuple[str, ...]
     max_subscriptions_per_role: int
+    max_subscriptions_per_role_per_ip: int
     max_registrations: int
+    max_registrations_per_ip: int
     registration_ttl: float
     max_pending_messages: int
     max_pending_bytes: int

@@ -665,6 +665,9 @@ async def test_soak_full_server_many_clients_changing_cluster(
             min_client_ping_interval=0.5,  # grpcio's 1 s keepalive is no flood
             max_subscriptions_per_role=1000,
             max_registrations=4000,
+            # Every soak client connects from 127.0.0.1: it gets whole pools.
+            max_subscriptions_per_role_per_ip=1000,
+            max_registrations_per_ip=4000,
             registration_ttl=REGISTRATION_TTL,
             register_rate=100_000,
             register_burst=100_000,

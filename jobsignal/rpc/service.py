@@ -155,23 +155,23 @@ class JobService:
         request = await read_request(stream, ClientInfo)
         if await self._refuse_if_over_limits(stream, self.register_limiter, "Register"):
             return
+        activity = self.connections.activity_of(stream)
         try:
-            client_id = self.registry.register(request.role, trio.current_time())
+            client_id = self.registry.register(
+                request.role, trio.current_time(), address=activity.ip
+            )
         except Refused as refusal:
-            peer = self.connections.activity_of(stream).peer
-            log.info("register refused: %s (peer %s)", refusal.message, peer)
+            log.info("register refused: %s (peer %s)", refusal.message, activity.peer)
             await stream.send_trailing_metadata(
                 status=refusal.status, status_message=refusal.message
             )
             return
-        except RegistryFull:
-            limit = self.registry.max_registrations
-            await stream.send_message(
-                Status(
-                    code=TOO_MANY_CLIENTS,
-                    info=f"too many registered clients (limit {limit}); retry later",
-                )
+        except RegistryFull as full:
+            # ClusterD's contract: a normal reply with code 429, not a gRPC error.
+            fault_log.log(
+                logging.INFO, "register_full", "register refused: %s (peer %s)", full, activity.peer
             )
+            await stream.send_message(Status(code=TOO_MANY_CLIENTS, info=str(full)))
             return
         await stream.send_message(
             Status(code=REGISTERED, info="registration successful", client_id=client_id)

@@ -115,7 +115,7 @@ async def serve_subscription(
 ) -> StreamEnd:
     """Serve one Subscribe* stream until it ends; return the status to send."""
     try:
-        claim, replaced = registry.claim(client_id, role, trio.current_time())
+        claim, replaced = registry.claim(client_id, role, trio.current_time(), address=activity.ip)
     except Refused as refusal:
         log.info("subscribe refused: %s (role %r, peer %s)", refusal.message, role, activity.peer)
         broadcaster.stats.stream_ends["refused"] += 1

@@ -33,7 +33,7 @@ class Harness:
         self.sent_at: list[float] = []
         self.end: StreamEnd | None = None
         self.ended_at: float | None = None
-        self.client_id = self.registry.register(ROLE, trio.current_time())
+        self.client_id = self.registry.register(ROLE, trio.current_time(), address=self.activity.ip)
 
     async def send(self, frames: list[bytes]) -> None:
         self.sent_at.extend(trio.current_time() for _ in frames)
@@ -56,7 +56,7 @@ class Harness:
         assert self.registry.active_subscriptions() == 0
         assert not self.activity.heartbeat_listeners
         with pytest.raises(Refused) as refused:
-            self.registry.claim(self.client_id, ROLE, trio.current_time())
+            self.registry.claim(self.client_id, ROLE, trio.current_time(), address="test-peer")
         assert refused.value.status is Status.FAILED_PRECONDITION
 
 
