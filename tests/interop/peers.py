@@ -20,14 +20,19 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import trio
+from rpc import expected_signal
+
+from jobsignal.store.model import JobSummary
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "protos"
@@ -235,3 +240,72 @@ async def run_to_end(argv: list[str], within: float = 10.0) -> Peer:
     async with running(argv) as peer:
         await peer.wait_exit(within)
     return peer
+
+
+# -- what the tests assert about a peer's output -------------------------------------
+
+# The largest event under gRPC clients' default 4 MiB receive limit: a 4.03 MB rank table.
+BIG_NPUS = 56_000
+CLUSTER_NPUS = 40_000  # a whole 40,000-NPU cluster's rank table, 2.9 MB
+FOUR_MIB = 4 * 1024 * 1024
+
+
+def flag_argv(flags: dict[str, object], dash: str) -> list[str]:
+    """Command-line flags from keywords: `conn_window=1` is `-conn-window 1` (dash "-")."""
+    argv: list[str] = []
+    for name, value in flags.items():
+        flag = dash + name.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
+def code(status: grpc.StatusCode) -> int:
+    number: int = status.value[0]
+    return number
+
+
+def assert_signals(peer: Peer, jobs: Sequence[JobSummary], uuids: dict[str, str]) -> None:
+    """The peer received exactly `jobs`, in order, every field intact.
+
+    `uuids` holds the server's event uuid per live job (deleted jobs have none
+    left to compare with: their uuid is only checked to be a UUID4).
+    """
+    received = peer.signals
+    assert [s["jobId"] for s in received] == [j.job_id for j in jobs], peer.describe()
+    for signal, job in zip(received, jobs, strict=True):
+        assert uuid.UUID(signal["uuid"]).version == 4
+        expected: dict[str, Any] = expected_signal(job, uuids.get(job.job_id, signal["uuid"]))
+        rank_table = expected.pop("HcclJson")
+        expected |= {"hcclBytes": len(rank_table.encode()), "hcclSha256": sha256(rank_table)}
+        assert signal == expected
+
+
+def uuids_of(server: Any) -> dict[str, str]:
+    return {entry.job.job_id: entry.uuid for entry in server.broadcaster.latest()}
+
+
+def assert_no_goaway(*peers: Peer) -> None:
+    for peer in peers:
+        assert peer.goaways() == [], peer.describe()
+
+
+def assert_stayed_ready(peer: Peer) -> None:
+    """Connectivity went READY once and left it only when the peer closed its channel.
+
+    A GOAWAY from the server would show as IDLE or CONNECTING in between.
+    """
+    states = [event["state"] for event in peer.of("state")]
+    assert "READY" in states, peer.describe()
+    after = states[states.index("READY") :]
+    assert after in (["READY"], ["READY", "SHUTDOWN"]), peer.describe()
+
+
+def quiet_pings(peer: Peer) -> list[float]:
+    """When the peer pinged between Register and the end of the hold (its own clock).
+
+    Half a second is left out at each end: grpc-go's BDP estimator pings when
+    data arrives (the Register reply, the final event); keepalive pings remain.
+    """
+    start = peer.of("registered")[-1]["t"] + 0.5
+    end = min(event["t"] for event in peer.events if event["event"] in ("message", "held")) - 0.5
+    return [event["t"] for event in peer.of("ping") if start < event["t"] < end]

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -28,7 +26,6 @@ import trio
 from grpcio_stubs import GrpcioClients
 from rpc import (
     StreamCollector,
-    expected_signal,
     in_thread,
     local_settings,
     make_job,
@@ -39,64 +36,27 @@ from rpc import (
 from rpc.test_tls import Pki
 
 from jobsignal.rpc.session import SessionSettings
-from jobsignal.store.model import JobSummary
 
-from .peers import Peer, run_to_end, running, sha256
-
-# The largest event under gRPC clients' default 4 MiB receive limit: a 4.03 MB rank table.
-BIG_NPUS = 56_000
-CLUSTER_NPUS = 40_000  # a whole 40,000-NPU cluster's rank table, 2.9 MB
-FOUR_MIB = 4 * 1024 * 1024
+from .peers import (
+    BIG_NPUS,
+    CLUSTER_NPUS,
+    FOUR_MIB,
+    Peer,
+    assert_no_goaway,
+    assert_signals,
+    assert_stayed_ready,
+    code,
+    flag_argv,
+    quiet_pings,
+    run_to_end,
+    running,
+    uuids_of,
+)
 
 
 def go(binary: Path, command: str, target: str, **flags: object) -> list[str]:
     """The peer's command line; keyword `conn_window=1` becomes `-conn-window 1`."""
-    argv = [str(binary), command, "-target", target]
-    for name, value in flags.items():
-        flag = "-" + name.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    return argv
-
-
-def code(status: grpc.StatusCode) -> int:
-    number: int = status.value[0]
-    return number
-
-
-def assert_signals(peer: Peer, jobs: Sequence[JobSummary], uuids: dict[str, str]) -> None:
-    """The peer received exactly `jobs`, in order, every field intact.
-
-    `uuids` holds the server's event uuid per live job (deleted jobs have none
-    left to compare with: their uuid is only checked to be a UUID4).
-    """
-    received = peer.signals
-    assert [s["jobId"] for s in received] == [j.job_id for j in jobs], peer.describe()
-    for signal, job in zip(received, jobs, strict=True):
-        assert uuid.UUID(signal["uuid"]).version == 4
-        expected: dict[str, Any] = expected_signal(job, uuids.get(job.job_id, signal["uuid"]))
-        rank_table = expected.pop("HcclJson")
-        expected |= {"hcclBytes": len(rank_table.encode()), "hcclSha256": sha256(rank_table)}
-        assert signal == expected
-
-
-def uuids_of(server: Any) -> dict[str, str]:
-    return {entry.job.job_id: entry.uuid for entry in server.broadcaster.latest()}
-
-
-def assert_no_goaway(*peers: Peer) -> None:
-    for peer in peers:
-        assert peer.goaways() == [], peer.describe()
-
-
-def assert_stayed_ready(peer: Peer) -> None:
-    """Connectivity went READY once and left it only when the peer closed its channel.
-
-    A GOAWAY from the server would show as IDLE or CONNECTING in between.
-    """
-    states = [event["state"] for event in peer.of("state")]
-    assert "READY" in states, peer.describe()
-    after = states[states.index("READY") :]
-    assert after in (["READY"], ["READY", "SHUTDOWN"]), peer.describe()
+    return [str(binary), command, "-target", target, *flag_argv(flags, "-")]
 
 
 # -- the job.Job contract with grpc-go's defaults -------------------------------------
@@ -292,17 +252,6 @@ GRPCIO_3S = {
     "keepalive_permit_without_calls": 1,
     "http2__max_pings_without_data": 0,
 }
-
-
-def quiet_pings(peer: Peer) -> list[float]:
-    """When the peer pinged between Register and the end of the hold (its own clock).
-
-    Half a second is left out at each end: grpc-go's BDP estimator pings when
-    data arrives (the Register reply, the final event); keepalive pings remain.
-    """
-    start = peer.of("registered")[-1]["t"] + 0.5
-    end = min(event["t"] for event in peer.events if event["event"] in ("message", "held")) - 0.5
-    return [event["t"] for event in peer.of("ping") if start < event["t"] < end]
 
 
 async def test_keepalive_holds_quiet_connections_30s_and_silence_meets_the_idle_rule(
