@@ -2,26 +2,71 @@
 
 A slice is one ConfigMap's share of a job: the job-level fields, which every
 ConfigMap of the job repeats, and its part of the rank table's `server_list`.
-Anything malformed raises `BadConfigMap` with a reason short enough for a log
-line and a metric label.
+
+This is the store's boundary for untrusted input (anyone who can create a
+labelled ConfigMap): whatever passes it is valid UTF-8 within the length
+bounds below, and its rank table is strict JSON (`strict_json`). Anything
+else raises `BadConfigMap` with a `reason` from `REASONS` (a metric label)
+and a detail that quotes at most about 200 characters of any value.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jobsignal.logs import quote
+from jobsignal.store import strict_json
+
 # The Kubernetes limit is 1 MiB per ConfigMap; anything far beyond it did not
-# come from ClusterD and is refused before it costs a JSON parse.
+# come from ClusterD and is refused before it costs a JSON parse. Characters.
 MAX_VALUE_BYTES = 4 * 1024 * 1024
 # A job split over more ConfigMaps than this is not a real job.
 MAX_SLICES = 4096
+# Kubernetes' own bounds: a namespace is a DNS label, a ConfigMap name a DNS subdomain.
+MAX_NAMESPACE_CHARS = 63
+MAX_NAME_CHARS = 253
+#: Longest value of each data key the store reads (characters). Ids and names
+#: follow Kubernetes (a UID is 36 characters; object names at most 253); the
+#: rank table has MAX_VALUE_BYTES; `cm_index` and `total` are checked as numbers.
+FIELD_LIMITS: Mapping[str, int] = {
+    "job_id": 128,
+    "job_name": MAX_NAME_CHARS,
+    "framework": 64,
+    "job_status": 64,
+    "operator": 64,
+    "time": 64,
+    "deleteTime": 64,
+    "sid": 256,
+    "masterAddr": 512,
+    "sharedTorIp": 64 * 1024,
+    "hccl.json": MAX_VALUE_BYTES,
+}
+
+#: Every rejection reason (the `reason` label of jobsignal_configmaps_rejected_total).
+REASONS: Mapping[str, str] = {
+    "no_metadata": "the object has no metadata",
+    "no_name": "metadata lacks a namespace or a name",
+    "bad_data": "data is not a mapping of strings",
+    "too_large": f"a data value over {MAX_VALUE_BYTES} characters",
+    "too_long": "a name, namespace, id or other field over its length bound",
+    "not_utf8": "a string that is not valid UTF-8 (a lone surrogate)",
+    "no_job_id": "data has no job_id",
+    "bad_index": f"cm_index / total not decimal numbers 0..{MAX_SLICES}, or cm_index >= total",
+    "bad_hccl_json": "hccl.json is not a JSON object with a list of server objects",
+    "hccl_json_not_strict": "hccl.json is not strict JSON: NaN, Infinity, a number out of"
+    f" range or over {strict_json.MAX_NUMBER_CHARS} characters, an escaped lone surrogate",
+    "hccl_json_too_deep": f"hccl.json nests deeper than {strict_json.MAX_DEPTH}",
+    "bad_event": "a watch event type other than ADDED, MODIFIED, DELETED",
+    "internal_error": "an unexpected error while parsing (logged with its traceback)",
+}
 
 
 class BadConfigMap(ValueError):
-    """The ConfigMap cannot be turned into a slice; `reason` is a short label."""
+    """The ConfigMap cannot be turned into a slice; `reason` is a key of `REASONS`."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -81,7 +126,26 @@ def configmap_ref(configmap: Mapping[str, Any]) -> ConfigMapRef:
     namespace, name = metadata.get("namespace"), metadata.get("name")
     if not isinstance(namespace, str) or not isinstance(name, str) or not name:
         raise BadConfigMap("no_name", "metadata lacks namespace or name")
+    for what, value, limit in (
+        ("namespace", namespace, MAX_NAMESPACE_CHARS),
+        ("name", name, MAX_NAME_CHARS),
+    ):
+        if len(value) > limit:
+            raise BadConfigMap("too_long", f"{what} {quote(value)} has {len(value)} characters")
+        if not is_utf8(value):
+            raise BadConfigMap("not_utf8", f"{what} {quote(value)} is not valid UTF-8")
     return ConfigMapRef(namespace, name)
+
+
+def is_utf8(value: str) -> bool:
+    """Whether `value` encodes as UTF-8 (holds no lone surrogate); ASCII costs nothing."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_slice(configmap: Mapping[str, Any]) -> Slice:
@@ -91,9 +155,19 @@ def parse_slice(configmap: Mapping[str, Any]) -> Slice:
         raise BadConfigMap("bad_data", f"{ref}: data is not a mapping")
     for key, value in data.items():
         if not isinstance(value, str):
-            raise BadConfigMap("bad_data", f"{ref}: data[{key!r}] is not a string")
+            raise BadConfigMap("bad_data", f"{ref}: data[{quote(key)}] is not a string")
         if len(value) > MAX_VALUE_BYTES:
-            raise BadConfigMap("too_large", f"{ref}: data[{key!r}] has {len(value)} bytes")
+            raise BadConfigMap(
+                "too_large", f"{ref}: data[{quote(key)}] has {len(value)} characters"
+            )
+    for key, limit in FIELD_LIMITS.items():
+        value = data.get(key, "")
+        if len(value) > limit:
+            raise BadConfigMap(
+                "too_long", f"{ref}: {key} {quote(value)} has {len(value)} characters"
+            )
+        if not is_utf8(value):
+            raise BadConfigMap("not_utf8", f"{ref}: {key} {quote(value)} is not valid UTF-8")
 
     def text(key: str, default: str = "") -> str:
         return str(data.get(key, default))
@@ -124,14 +198,17 @@ def parse_slice(configmap: Mapping[str, Any]) -> Slice:
     return Slice(ref, fields, cm_index, hccl_raw, header, servers, npu_count)
 
 
+_DECIMAL = re.compile(r"[0-9]{1,9}")
+
+
 def _small_int(ref: ConfigMapRef, data: Mapping[str, Any], key: str, *, default: int) -> int:
     raw = data.get(key)
     if raw is None or raw == "":
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BadConfigMap("bad_index", f"{ref}: {key} {raw!r} is not an integer") from None
+    # ASCII digits only: int() would also take "+1", " 1", "1_0" and other scripts' digits.
+    if not isinstance(raw, str) or not _DECIMAL.fullmatch(raw):
+        raise BadConfigMap("bad_index", f"{ref}: {key} {quote(raw)} is not a decimal integer")
+    value = int(raw)
     if not 0 <= value <= MAX_SLICES:
         raise BadConfigMap("bad_index", f"{ref}: {key} {value} is out of range")
     return value
@@ -139,6 +216,13 @@ def _small_int(ref: ConfigMapRef, data: Mapping[str, Any], key: str, *, default:
 
 def _job_name_from(configmap_name: str) -> str:
     return configmap_name.removeprefix("job-summary-")
+
+
+_JSON_REASONS = {
+    strict_json.NOT_JSON: "bad_hccl_json",
+    strict_json.NOT_STRICT: "hccl_json_not_strict",
+    strict_json.TOO_DEEP: "hccl_json_too_deep",
+}
 
 
 def _compact(value: Any) -> str:
@@ -157,9 +241,9 @@ def _parse_rank_table(
     if not raw.strip():
         return None, (), 0
     try:
-        table = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise BadConfigMap("bad_hccl_json", f"{ref}: hccl.json is not JSON") from None
+        table = strict_json.loads(raw)
+    except strict_json.NotStrictJson as error:
+        raise BadConfigMap(_JSON_REASONS[error.reason], f"{ref}: hccl.json: {error}") from None
     if not isinstance(table, dict):
         raise BadConfigMap("bad_hccl_json", f"{ref}: hccl.json is not a JSON object")
     server_list = table.get(SERVER_LIST_KEY, [])

@@ -6,22 +6,31 @@ job event is emitted only when a job's slices form a complete, agreeing set
 whose client-visible state differs from what was last emitted, or when a job
 loses a ConfigMap (deleted, no longer selected, missing after a relist) and
 has not yet been reported as deleted. Because events come from comparing
-states, a relist (`replace_all`) emits exactly the differences, and the same
-input never yields the same event twice.
+states, a relist emits exactly the differences, and the same input never
+yields the same event twice.
+
+Work per event is proportional to the change, not to the job: each job keeps
+tallies (`JobSlices`) that say in constant time whether its slices agree, so
+the rank table is joined only when a complete set changes, and an unchanged
+rewrite costs one comparison. A relist is applied in steps (`Relist`, then
+`settle`) that a caller can interleave with checkpoints; `replace_all` does
+all steps at once.
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobsignal.logs import quote
 from jobsignal.store.configmap import (
     SERVER_LIST_SLOT,
     BadConfigMap,
     ConfigMapRef,
+    JobFields,
     Slice,
     configmap_ref,
     parse_slice,
@@ -29,6 +38,8 @@ from jobsignal.store.configmap import (
 from jobsignal.store.model import JobKey, JobSummary
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
+
+Header = tuple[tuple[str, str], ...]
 
 
 @dataclass
@@ -38,167 +49,110 @@ class Changes:
     events: list[JobSummary] = field(default_factory=list)
     rejected: list[BadConfigMap] = field(default_factory=list)
 
+    def extend(self, other: Changes) -> None:
+        self.events += other.events
+        self.rejected += other.rejected
 
-class JobStore:
+
+def checked_parse(configmap: Mapping[str, Any]) -> Slice:
+    """`parse_slice`, with any unexpected error turned into a rejection of this ConfigMap."""
+    try:
+        return parse_slice(configmap)
+    except BadConfigMap:
+        raise
+    except Exception as error:  # a parser bug must reject one ConfigMap, not end the watcher
+        rejection = BadConfigMap("internal_error", f"{type(error).__name__} while parsing")
+        raise rejection from error
+
+
+class JobSlices:
+    """The ConfigMaps of one job, with tallies that tell in O(1) whether they agree.
+
+    The slices form the job when no two share a cm_index, index 0 is there,
+    exactly `total` slices carry index 0's job fields (being valid, they then
+    hold indices 0..total-1; others, past the end, are ignored) and those
+    slices carry at most one distinct rank-table header.
+    """
+
+    __slots__ = ("_at_index", "_duplicated", "_fields", "_headers", "members")
+
     def __init__(self) -> None:
-        self._slices: dict[ConfigMapRef, Slice] = {}
-        self._members: dict[JobKey, set[ConfigMapRef]] = {}
-        # Last state emitted per job, including jobs reported deleted whose
-        # ConfigMaps still exist (ClusterD removes them a minute or two later).
-        self._emitted: dict[JobKey, JobSummary] = {}
-        self.rejected_total: Counter[str] = Counter()
+        self.members: dict[ConfigMapRef, Slice] = {}
+        self._at_index: dict[int, list[Slice]] = {}
+        self._duplicated = 0  # indices claimed by more than one slice
+        self._fields: Counter[JobFields] = Counter()
+        self._headers: dict[JobFields, Counter[Header]] = {}
 
-    # -- queries -----------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.members)
 
-    def live_jobs(self) -> list[JobSummary]:
-        """Current state of every job not reported as deleted, in first-seen order."""
-        return [job for job in self._emitted.values() if not job.is_deleted]
+    def add(self, piece: Slice) -> None:
+        assert piece.ref not in self.members
+        self.members[piece.ref] = piece
+        holders = self._at_index.setdefault(piece.cm_index, [])
+        holders.append(piece)
+        if len(holders) == 2:
+            self._duplicated += 1
+        self._fields[piece.fields] += 1
+        if piece.header is not None:
+            self._headers.setdefault(piece.fields, Counter())[piece.header] += 1
 
-    def live_job_count(self) -> int:
-        return sum(1 for job in self._emitted.values() if not job.is_deleted)
+    def remove(self, ref: ConfigMapRef) -> Slice:
+        piece = self.members.pop(ref)
+        holders = self._at_index[piece.cm_index]
+        holders.remove(piece)
+        if len(holders) == 1:
+            self._duplicated -= 1
+        elif not holders:
+            del self._at_index[piece.cm_index]
+        _decrement(self._fields, piece.fields)
+        if piece.header is not None:
+            headers = self._headers[piece.fields]
+            _decrement(headers, piece.header)
+            if not headers:
+                del self._headers[piece.fields]
+        return piece
 
-    def configmap_count(self) -> int:
-        return len(self._slices)
-
-    # -- updates -----------------------------------------------------------
-
-    def apply(self, event_type: str, configmap: Mapping[str, Any], now: float) -> Changes:
-        """Apply one watch event (ADDED, MODIFIED or DELETED). `now` is Unix seconds."""
-        changes = Changes()
-        try:
-            ref = configmap_ref(configmap)
-        except BadConfigMap as error:
-            self._reject(changes, error)
-            return changes
-        if event_type == DELETED:
-            affected = self._remove(ref)
-            self._recompute(affected, now, changes, lost=affected)
-            return changes
-        if event_type not in (ADDED, MODIFIED):
-            self._reject(changes, BadConfigMap("bad_event", f"{ref}: event type {event_type!r}"))
-            return changes
-        try:
-            new_slice = parse_slice(configmap)
-        except BadConfigMap as error:
-            # Keep the last good version: a bad rewrite must not end a job.
-            self._reject(changes, error)
-            return changes
-        lost = self._remove(ref)
-        self._insert(new_slice)
-        new_key = JobKey(ref.namespace, new_slice.fields.job_id)
-        lost.discard(new_key)
-        self._recompute(lost | {new_key}, now, changes, lost=lost)
-        return changes
-
-    def replace_all(
-        self, configmaps: Iterable[Mapping[str, Any]], now: float, namespace: str | None = None
-    ) -> Changes:
-        """Make the store hold exactly `configmaps` (a fresh LIST); emit the differences.
-
-        With `namespace`, only that namespace's ConfigMaps are replaced (one
-        LIST per watched namespace); listed objects from elsewhere are ignored.
-        """
-        changes = Changes()
-        fresh: dict[ConfigMapRef, Slice] = {}
-        listed: set[ConfigMapRef] = set()
-        for configmap in configmaps:
-            try:
-                ref = configmap_ref(configmap)
-                if namespace is not None and ref.namespace != namespace:
-                    continue
-                listed.add(ref)
-                fresh[ref] = parse_slice(configmap)
-            except BadConfigMap as error:
-                self._reject(changes, error)
-        # A listed but malformed ConfigMap still exists: keep its last good slice.
-        for ref in listed - fresh.keys():
-            if ref in self._slices:
-                fresh[ref] = self._slices[ref]
-        lost: set[JobKey] = set()
-        affected: set[JobKey] = set()
-        for ref, old in list(self._slices.items()):
-            if namespace is not None and ref.namespace != namespace:
-                continue
-            new = fresh.get(ref)
-            if new == old:
-                continue
-            affected |= self._remove(ref)
-            if new is None or new.fields.job_id != old.fields.job_id:
-                lost.add(JobKey(ref.namespace, old.fields.job_id))
-        for ref, new in fresh.items():
-            if ref not in self._slices:
-                self._insert(new)
-                affected.add(JobKey(ref.namespace, new.fields.job_id))
-        self._recompute(affected | lost, now, changes, lost=lost)
-        return changes
-
-    # -- internals ---------------------------------------------------------
-
-    def _reject(self, changes: Changes, error: BadConfigMap) -> None:
-        self.rejected_total[error.reason] += 1
-        changes.rejected.append(error)
-
-    def _insert(self, new_slice: Slice) -> None:
-        self._slices[new_slice.ref] = new_slice
-        key = JobKey(new_slice.ref.namespace, new_slice.fields.job_id)
-        self._members.setdefault(key, set()).add(new_slice.ref)
-
-    def _remove(self, ref: ConfigMapRef) -> set[JobKey]:
-        """Forget a ConfigMap; return the job it belonged to (empty if unknown)."""
-        old = self._slices.pop(ref, None)
-        if old is None:
-            return set()
-        key = JobKey(ref.namespace, old.fields.job_id)
-        members = self._members[key]
-        members.discard(ref)
-        if not members:
-            del self._members[key]
-        return {key}
-
-    def _recompute(
-        self, keys: Iterable[JobKey], now: float, changes: Changes, *, lost: set[JobKey]
-    ) -> None:
-        for key in sorted(keys, key=lambda k: (k.namespace, k.job_id)):
-            members = self._members.get(key, set())
-            state = assemble([self._slices[ref] for ref in members])
-            previous = self._emitted.get(key)
-            if state is not None:
-                if state != previous:
-                    self._emitted[key] = state
-                    # A delete matters only to clients that saw the job live; a
-                    # job first seen already deleted is recorded silently.
-                    if not state.is_deleted or (previous is not None and not previous.is_deleted):
-                        changes.events.append(state)
-            elif key in lost and previous is not None and not previous.is_deleted:
-                ended = previous.as_deleted(str(int(now)))
-                self._emitted[key] = ended
-                changes.events.append(ended)
-            if not members:
-                self._emitted.pop(key, None)
-
-
-def assemble(slices: list[Slice]) -> JobSummary | None:
-    """The job a set of slices describes, or None while they are incomplete or disagree."""
-    by_index: dict[int, Slice] = {}
-    for piece in slices:
-        if piece.cm_index in by_index:
+    def state(self) -> JobSummary | None:
+        """The job these slices describe, or None while they are incomplete or disagree."""
+        if self._duplicated:
             return None  # two ConfigMaps claim one index: wait for ClusterD to settle
-        by_index[piece.cm_index] = piece
-    first = by_index.get(0)
-    if first is None:
-        return None
+        firsts = self._at_index.get(0)
+        if not firsts:
+            return None
+        first = firsts[0]
+        fields = first.fields
+        if self._fields[fields] != fields.total:
+            return None
+        headers = self._headers.get(fields)
+        if headers is not None and len(headers) > 1:
+            return None  # slices from different rewrites of the rank table
+        pieces = [self._at_index[index][0] for index in range(fields.total)]
+        header = next(iter(headers)) if headers else None
+        return _summary(first, pieces, header)
+
+
+def _decrement(counter: Counter[Any], key: Any) -> None:
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
+
+
+def assemble(slices: Iterable[Slice]) -> JobSummary | None:
+    """The job a set of slices (of distinct ConfigMaps) describes, or None while
+    they are incomplete or disagree."""
+    group = JobSlices()
+    for piece in slices:
+        group.add(piece)
+    return group.state()
+
+
+def _summary(first: Slice, pieces: list[Slice], header: Header | None) -> JobSummary:
     total = first.fields.total
-    ordered = [by_index.get(i) for i in range(total)]
-    if any(s is None or s.fields != first.fields for s in ordered):
-        return None
-    pieces = [s for s in ordered if s is not None]
-    headers = {s.header for s in pieces if s.header is not None}
-    if len(headers) > 1:
-        return None  # slices from different rewrites of the rank table
     if total == 1:
         hccl_json = first.hccl_raw
-    elif headers:
-        hccl_json = _join_rank_table(next(iter(headers)), pieces)
+    elif header is not None:
+        hccl_json = _join_rank_table(header, pieces)
     else:
         hccl_json = ""
     f = first.fields
@@ -220,7 +174,7 @@ def assemble(slices: list[Slice]) -> JobSummary | None:
     )
 
 
-def _join_rank_table(header: tuple[tuple[str, str], ...], pieces: list[Slice]) -> str:
+def _join_rank_table(header: Header, pieces: list[Slice]) -> str:
     servers = ",".join(server for piece in pieces for server in piece.servers)
     parts = []
     for key, value in header:
@@ -230,3 +184,259 @@ def _join_rank_table(header: tuple[tuple[str, str], ...], pieces: list[Slice]) -
         else:
             parts.append(f"{encoded_key}:{value}")
     return "{" + ",".join(parts) + "}"
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A job whose slices changed in a relist and whose state is not recomputed yet."""
+
+    lost: bool  # it lost a ConfigMap: a delete is due unless its slices still form it
+    now: float  # the relist's time, for the deleteTime of such a delete
+
+
+class JobStore:
+    def __init__(self) -> None:
+        self._slices: dict[ConfigMapRef, Slice] = {}
+        self._jobs: dict[JobKey, JobSlices] = {}
+        # Last state emitted per job, including jobs reported deleted whose
+        # ConfigMaps still exist (ClusterD removes them a minute or two later).
+        self._emitted: dict[JobKey, JobSummary] = {}
+        # Jobs a relist changed, recomputed by `settle` in key order.
+        self._pending: dict[JobKey, _Pending] = {}
+        self._pending_order: deque[JobKey] = deque()
+        self.rejected_total: Counter[str] = Counter()
+
+    # -- queries -----------------------------------------------------------
+
+    def live_jobs(self) -> list[JobSummary]:
+        """Current state of every job not reported as deleted, in first-seen order."""
+        return [job for job in self._emitted.values() if not job.is_deleted]
+
+    def live_job_count(self) -> int:
+        return sum(1 for job in self._emitted.values() if not job.is_deleted)
+
+    def configmap_count(self) -> int:
+        return len(self._slices)
+
+    def job_count(self) -> int:
+        """Jobs with at least one ConfigMap (complete or not)."""
+        return len(self._jobs)
+
+    @property
+    def pending(self) -> int:
+        """Jobs changed by a relist and not yet recomputed (see `settle`)."""
+        return len(self._pending)
+
+    # -- updates -----------------------------------------------------------
+
+    def apply(self, event_type: str, configmap: Mapping[str, Any], now: float) -> Changes:
+        """Apply one watch event (ADDED, MODIFIED or DELETED). `now` is Unix seconds."""
+        changes = Changes()
+        try:
+            ref = configmap_ref(configmap)
+        except BadConfigMap as error:
+            self.reject(changes, error)
+            return changes
+        old = self._slices.get(ref)
+        old_key = {JobKey(ref.namespace, old.fields.job_id)} if old is not None else set()
+        if event_type == DELETED:
+            self._settle_keys(old_key, changes)
+            lost = self._remove(ref)
+            self._recompute(lost, now, changes, lost=lost)
+            return changes
+        if event_type not in (ADDED, MODIFIED):
+            detail = f"{ref}: event type {quote(event_type)}"
+            self.reject(changes, BadConfigMap("bad_event", detail))
+            return changes
+        try:
+            new_slice = checked_parse(configmap)
+        except BadConfigMap as error:
+            # Keep the last good version: a bad rewrite must not end a job.
+            self.reject(changes, error)
+            return changes
+        if old == new_slice:
+            return changes  # an unchanged rewrite: no job changed
+        new_key = JobKey(ref.namespace, new_slice.fields.job_id)
+        # A relist's changes to these jobs come first, so events keep their order.
+        self._settle_keys(old_key | {new_key}, changes)
+        lost = self._remove(ref)
+        self._insert(new_slice)
+        lost.discard(new_key)
+        self._recompute(lost | {new_key}, now, changes, lost=lost)
+        return changes
+
+    def relist(self, namespace: str | None = None) -> Relist:
+        """Start applying a fresh LIST (of one namespace, or of all): see `Relist`."""
+        return Relist(self, namespace)
+
+    def settle(self, budget: int | None = None) -> Changes:
+        """Recompute jobs a relist changed, about `budget` slices' worth (all if None).
+
+        Jobs come in key order; a job counts as many slices as it has
+        ConfigMaps, so one call joins at most about `budget` slices' tables.
+        """
+        changes = Changes()
+        spent = 0
+        while self._pending_order and (budget is None or spent < budget):
+            key = self._pending_order.popleft()
+            if key in self._pending:  # else an event already settled it
+                group = self._jobs.get(key)
+                spent += max(1, len(group) if group is not None else 0)
+                self._settle_keys((key,), changes)
+        if not self._pending:
+            self._pending_order.clear()
+        return changes
+
+    def replace_all(
+        self, configmaps: Iterable[Mapping[str, Any]], now: float, namespace: str | None = None
+    ) -> Changes:
+        """Make the store hold exactly `configmaps` (a fresh LIST); emit the differences.
+
+        With `namespace`, only that namespace's ConfigMaps are replaced (one
+        LIST per watched namespace); listed objects from elsewhere are ignored.
+        """
+        relist = self.relist(namespace)
+        for configmap in configmaps:
+            relist.add(configmap)
+        changes = relist.commit(now)
+        changes.extend(self.settle())
+        return changes
+
+    # -- internals ---------------------------------------------------------
+
+    def reject(self, changes: Changes, error: BadConfigMap) -> None:
+        """Count a rejected ConfigMap and report it in `changes`."""
+        self.rejected_total[error.reason] += 1
+        changes.rejected.append(error)
+
+    def _commit(
+        self,
+        namespace: str | None,
+        fresh: dict[ConfigMapRef, Slice],
+        listed: set[ConfigMapRef],
+        now: float,
+    ) -> None:
+        """Make the namespace hold exactly `fresh`; mark the jobs that changed."""
+        # A listed but malformed ConfigMap still exists: keep its last good slice.
+        for ref in listed - fresh.keys():
+            if ref in self._slices:
+                fresh[ref] = self._slices[ref]
+        lost: set[JobKey] = set()
+        affected: set[JobKey] = set()
+        for ref, old in list(self._slices.items()):
+            if namespace is not None and ref.namespace != namespace:
+                continue
+            new = fresh.get(ref)
+            if new == old:
+                continue
+            affected |= self._remove(ref)
+            if new is None or new.fields.job_id != old.fields.job_id:
+                lost.add(JobKey(ref.namespace, old.fields.job_id))
+        for ref, new in fresh.items():
+            if ref not in self._slices:
+                self._insert(new)
+                affected.add(JobKey(ref.namespace, new.fields.job_id))
+        self._mark_pending(affected | lost, now, lost=lost)
+
+    def _insert(self, new_slice: Slice) -> None:
+        self._slices[new_slice.ref] = new_slice
+        key = JobKey(new_slice.ref.namespace, new_slice.fields.job_id)
+        group = self._jobs.get(key)
+        if group is None:
+            group = self._jobs[key] = JobSlices()
+        group.add(new_slice)
+
+    def _remove(self, ref: ConfigMapRef) -> set[JobKey]:
+        """Forget a ConfigMap; return the job it belonged to (empty if unknown)."""
+        old = self._slices.pop(ref, None)
+        if old is None:
+            return set()
+        key = JobKey(ref.namespace, old.fields.job_id)
+        group = self._jobs[key]
+        group.remove(ref)
+        if not group:
+            del self._jobs[key]
+        return {key}
+
+    def _mark_pending(self, keys: Iterable[JobKey], now: float, *, lost: set[JobKey]) -> None:
+        for key in sorted(keys, key=lambda k: (k.namespace, k.job_id)):
+            pending = self._pending.get(key)
+            if pending is None:
+                self._pending[key] = _Pending(key in lost, now)
+                self._pending_order.append(key)
+            else:
+                pending.lost = pending.lost or key in lost
+                pending.now = now
+
+    def _settle_keys(self, keys: Iterable[JobKey], changes: Changes) -> None:
+        """Recompute those of `keys` a relist left pending."""
+        for key in keys:
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                lost = {key} if pending.lost else set()
+                self._recompute_one(key, pending.now, changes, lost=lost)
+
+    def _recompute(
+        self, keys: Iterable[JobKey], now: float, changes: Changes, *, lost: set[JobKey]
+    ) -> None:
+        for key in sorted(keys, key=lambda k: (k.namespace, k.job_id)):
+            self._recompute_one(key, now, changes, lost=lost)
+
+    def _recompute_one(
+        self, key: JobKey, now: float, changes: Changes, *, lost: set[JobKey]
+    ) -> None:
+        group = self._jobs.get(key)
+        state = group.state() if group is not None else None
+        previous = self._emitted.get(key)
+        if state is not None:
+            if state != previous:
+                self._emitted[key] = state
+                # A delete matters only to clients that saw the job live; a
+                # job first seen already deleted is recorded silently.
+                if not state.is_deleted or (previous is not None and not previous.is_deleted):
+                    changes.events.append(state)
+        elif key in lost and previous is not None and not previous.is_deleted:
+            ended = previous.as_deleted(str(int(now)))
+            self._emitted[key] = ended
+            changes.events.append(ended)
+        if group is None:
+            self._emitted.pop(key, None)
+
+
+class Relist:
+    """A fresh LIST applied in steps, so a caller can checkpoint between them.
+
+    `add` parses one listed ConfigMap (no store change yet, so a LIST that
+    fails half-way changes nothing); `commit` makes the store hold exactly
+    what was added, in one cheap step of dictionary updates, and leaves the
+    changed jobs to `JobStore.settle`.
+    """
+
+    def __init__(self, store: JobStore, namespace: str | None) -> None:
+        self._store = store
+        self._namespace = namespace
+        self._fresh: dict[ConfigMapRef, Slice] = {}
+        self._listed: set[ConfigMapRef] = set()
+        self._changes = Changes()
+
+    def add(self, configmap: Mapping[str, Any]) -> int:
+        """Parse one listed ConfigMap; returns the size of its rank table, a measure of the work."""
+        data = configmap.get("data")
+        table = data.get("hccl.json") if isinstance(data, Mapping) else None
+        work = 1 + (len(table) if isinstance(table, str) else 0)
+        try:
+            ref = configmap_ref(configmap)
+            if self._namespace is not None and ref.namespace != self._namespace:
+                return work
+            self._listed.add(ref)
+            self._fresh[ref] = checked_parse(configmap)
+        except BadConfigMap as error:
+            self._store.reject(self._changes, error)
+        return work
+
+    def commit(self, now: float) -> Changes:
+        """Replace the namespace's slices; returns the rejections (events come from `settle`)."""
+        self._store._commit(self._namespace, self._fresh, self._listed, now)
+        self._fresh, self._listed = {}, set()
+        changes, self._changes = self._changes, Changes()
+        return changes
