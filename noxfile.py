@@ -140,3 +140,9 @@ def bench(session: nox.Session) -> None:
     """
     session.install("-e", ".[test]", "matplotlib")
     session.run("python", "-m", "bench", *session.posargs)
+
+
+@nox.session(python=False)
+def peers(session: nox.Session) -> None:
+    """Install the interop tests' grpc-go and grpc-js clients (apt-get as root, npm ci)."""
+    session.run(str(ROOT / ".ci" / "install-peers"), external=True)
