@@ -31,6 +31,7 @@ from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.metrics import MetricSources, render
 from jobsignal.metrics_server import HttpStats, run_metrics_server
 from jobsignal.rpc.activity import PingPolicy
+from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
@@ -92,6 +93,13 @@ def server_settings(config: Config) -> ServerSettings:
             subscribe_burst=config.subscribe_burst,
         ),
         tls_reload_interval=config.tls_reload_interval,
+        protocol_limits=ProtocolLimits(
+            handshake_timeout=config.handshake_timeout,
+            max_resets_per_second=config.max_stream_resets_per_second,
+            max_control_frames_per_second=config.max_control_frames_per_second,
+            read_bytes_per_turn=config.read_bytes_per_turn,
+            write_stall_timeout=config.write_stall_timeout,
+        ),
     )
 
 

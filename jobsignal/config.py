@@ -193,15 +193,50 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("keepalive_timeout", "5", _positive_float, "seconds to wait for a PING ACK"),
     Setting(
         "min_client_ping_interval",
-        "4",
+        "3",
         _positive_float,
-        "client PINGs closer than this are strikes (clients pinging every 5 s are fine)",
+        "client PINGs while no data flows closer than this (less 10% for timer jitter) are"
+        " strikes; 3 s is ClusterD v26's policy",
     ),
     Setting(
         "ping_strikes",
         "2",
         _positive_int,
         "strikes allowed before GOAWAY ENHANCE_YOUR_CALM too_many_pings",
+    ),
+    Setting(
+        "handshake_timeout",
+        "5",
+        _positive_float,
+        "seconds a new connection has to finish TLS and send the HTTP/2 preface and SETTINGS",
+    ),
+    Setting(
+        "max_stream_resets_per_second",
+        "100",
+        _positive_float,
+        "RST_STREAM frames per second one connection may send (bursts of twice as many);"
+        " beyond: GOAWAY ENHANCE_YOUR_CALM rapid_reset",
+    ),
+    Setting(
+        "max_control_frames_per_second",
+        "500",
+        _positive_float,
+        "SETTINGS, PING, WINDOW_UPDATE, PRIORITY, RST_STREAM and empty DATA frames per second"
+        " one connection may send (bursts of twice as many, plus 2 per frame the server sends);"
+        " beyond: GOAWAY ENHANCE_YOUR_CALM control_flood",
+    ),
+    Setting(
+        "read_bytes_per_turn",
+        "16384",
+        _positive_int,
+        "bytes of one connection's input handled per event-loop turn (fairness between peers)",
+    ),
+    Setting(
+        "write_stall_timeout",
+        "30",
+        _positive_float,
+        "seconds a connection may leave the server unable to write (the peer does not read)"
+        " before it is closed; meanwhile the server stops reading from it",
     ),
     Setting("max_request_bytes", "4194304", _positive_int, "largest request message accepted"),
     Setting(
@@ -254,6 +289,11 @@ class Config:
     keepalive_timeout: float
     min_client_ping_interval: float
     ping_strikes: int
+    handshake_timeout: float
+    max_stream_resets_per_second: float
+    max_control_frames_per_second: float
+    read_bytes_per_turn: int
+    write_stall_timeout: float
     max_request_bytes: int
     max_send_bytes: int
     max_connections: int

@@ -1,31 +1,209 @@
-"""The one place where jobsignal adapts grpclib to running on trio-asyncio.
+"""The one place where jobsignal reaches into grpclib and h2 internals.
 
-Python 3.12 made `asyncio.current_task` a C function that reads the running
-loop from the interpreter's own thread state. trio-asyncio never sets that
-state for the loop it runs inside trio; it replaces `asyncio.current_task`
-(and `get_running_loop`) with versions that find its loop, at import time.
-grpclib binds `asyncio.current_task` to `grpclib.utils._current_task` when
-*it* is imported, which happens first (the generated message code imports
-grpclib). Its `Wrapper` and `DeadlineWrapper`, entered by every server
-handler and client call, then raise "RuntimeError: no running event loop"
-and every RPC fails with UNKNOWN. On 3.11 `current_task` is pure Python and
-looks the loop up through the patched function, so nothing shows.
+grpclib (pinned in pyproject.toml) has no hooks for what a production server
+must see and bound per connection: PING frames, stream resets, the streams a
+connection holds, the frames the server sends. Each private access lives in
+a named function here, so a grpclib upgrade breaks this module (and its
+contract test, tests/rpc/test_grpclib_adapter.py) and nothing else.
 
-`install()` rebinds grpclib's alias to trio-asyncio's replacement. It runs
-when `jobsignal` is imported, whatever was imported before. It stays
-necessary while grpclib caches `asyncio.current_task` at import (0.4.9, the
-pinned version); a grpclib that looks it up at call time, or a trio-asyncio
-that sets the C-level running loop, makes it a no-op.
+It also carries one workaround. Python 3.12 made `asyncio.current_task` a C
+function that reads the running loop from the interpreter's thread state;
+trio-asyncio never sets that state for the loop it runs inside trio, so it
+replaces `asyncio.current_task` with a version that finds its loop, at
+import time. grpclib binds `asyncio.current_task` to `grpclib.utils.
+_current_task` when *it* is imported, which happens first (the generated
+message code imports grpclib). Its `Wrapper` and `DeadlineWrapper`, entered
+by every server handler and client call, then raise "RuntimeError: no
+running event loop" and every RPC fails with UNKNOWN. On 3.11
+`current_task` is pure Python and finds the loop through the patched
+function, so nothing shows. `install()` rebinds grpclib's alias; it runs
+when `jobsignal` is imported. It stays necessary while grpclib caches
+`asyncio.current_task` at import (0.4.9); a grpclib that looks it up at
+call time, or a trio-asyncio that sets the C-level running loop, makes it a
+no-op.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+from collections.abc import Callable
+from typing import Any
 
+import grpclib
+import grpclib.server
 import grpclib.utils
 import trio_asyncio  # noqa: F401  (imported for its patch of asyncio.current_task)
+from grpclib.metadata import encode_grpc_message
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol
+from h2.connection import H2Connection
+from h2.events import Event, RequestReceived, StreamReset
+from h2.settings import SettingCodes
+
+PINNED_GRPCLIB = "0.4.9"
+
+if grpclib.__version__ != PINNED_GRPCLIB:  # pragma: no cover (guards an upgrade)
+    raise ImportError(
+        f"jobsignal needs grpclib {PINNED_GRPCLIB} (it relies on its internals, see"
+        f" {__name__}); found {grpclib.__version__}: pip install grpclib=={PINNED_GRPCLIB}"
+    )
+
+ServerStream = grpclib.server.Stream[Any, Any]
 
 
 def install() -> None:
     """Make grpclib use trio-asyncio's `current_task` (idempotent)."""
     grpclib.utils._current_task = asyncio.current_task
+
+
+# -- the listening server -----------------------------------------------------------------------
+
+
+async def start_server(
+    server: grpclib.server.Server,
+    host: str,
+    port: int,
+    *,
+    family: int,
+    backlog: int,
+    ssl: Any,
+    ssl_handshake_timeout: float | None,
+) -> asyncio.Server:
+    """`Server.start`, plus what it does not pass on: a TLS handshake timeout.
+
+    asyncio calls the protocol's `connection_made` only once TLS is set up, so
+    a peer that never finishes the TLS handshake is bounded here, not there.
+    """
+    loop = asyncio.get_running_loop()
+    listener = await loop.create_server(
+        server._protocol_factory,
+        host,
+        port,
+        family=family,
+        backlog=backlog,
+        ssl=ssl,
+        ssl_handshake_timeout=ssl_handshake_timeout if ssl is not None else None,
+        reuse_address=True,
+    )
+    server._server = listener
+    server._server_closed_fut = loop.create_future()
+    return listener
+
+
+def listener_of(server: grpclib.server.Server) -> asyncio.Server:
+    listener = server._server
+    assert isinstance(listener, asyncio.Server), "the server is not started"
+    return listener
+
+
+# -- connections and streams ---------------------------------------------------------------------
+
+
+def connection_of(stream: ServerStream) -> Connection:
+    """The grpclib connection a server stream belongs to."""
+    connection: Connection = stream._stream.connection
+    return connection
+
+
+def h2_connection_of(protocol: H2Protocol) -> H2Connection:
+    h2_connection: H2Connection = protocol.connection._connection
+    return h2_connection
+
+
+def open_inbound_streams(h2_connection: H2Connection) -> int:
+    return int(h2_connection.open_inbound_streams)
+
+
+def advertise_stream_limit(h2_connection: H2Connection, advertised: int, enforced: int) -> None:
+    """Tell the peer `advertised` concurrent streams; let h2 end the connection only past
+    `enforced`. h2 enforces the very value it advertises, and a stream over it kills
+    the whole connection (it cannot decode that stream's headers, so HPACK state is
+    lost); the server refuses the streams in between one by one instead."""
+    h2_connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: advertised})
+    # The acknowledgement would make `advertised` h2's own limit: keep `enforced`.
+    h2_connection.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = collections.deque(
+        [enforced]
+    )
+
+
+def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) -> None:
+    """Call `callback` for each DATA or HEADERS frame the server sends on this connection.
+
+    Every path that writes (grpclib's, and `rpc.writer`'s fast path) goes
+    through h2's `send_data` (one frame per call, as frames are split to the
+    peer's frame size before) and `send_headers`.
+    """
+    send_data, send_headers = h2_connection.send_data, h2_connection.send_headers
+
+    def noted_send_data(*args: Any, **kwargs: Any) -> None:
+        callback()
+        send_data(*args, **kwargs)
+
+    def noted_send_headers(*args: Any, **kwargs: Any) -> None:
+        callback()
+        send_headers(*args, **kwargs)
+
+    setattr(h2_connection, "send_data", noted_send_data)  # noqa: B010
+    setattr(h2_connection, "send_headers", noted_send_headers)  # noqa: B010
+
+
+# -- grpclib's event processing ------------------------------------------------------------------
+
+
+def set_event_handler(
+    processor: EventsProcessor, event_type: type[Event], handler: Callable[[Any], None]
+) -> None:
+    processor.processors[event_type] = handler
+
+
+def process_event(processor: EventsProcessor, event: Event) -> None:
+    """grpclib's handling of `event`; events it has no handler for are informational
+    (unknown frame types, for example) and ignored, where grpclib would raise."""
+    processors = getattr(processor, "processors", None)
+    if processors is None:  # the connection is closed
+        return
+    handler = processors.get(type(event))
+    if handler is not None:
+        handler(event)
+
+
+def accept_request(processor: EventsProcessor, event: RequestReceived) -> None:
+    """Start grpclib's handler for a new request, with its stream released however it ends.
+
+    grpclib releases a stream in the handler task's `finally`. A stream reset
+    before its task first runs (HTTP/2 Rapid Reset) cancels a task that never
+    starts, so that `finally` never runs and the stream stayed in the
+    processor forever. Here the release also runs when the task is done, once.
+    """
+    stream = processor.connection.create_stream(stream_id=event.stream_id)
+    release = processor.register(stream)
+    released = False
+
+    def release_once() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            release()
+
+    handler = processor.handler
+    handler.accept(stream, event.headers, release_once)  # type: ignore[arg-type]
+    task: asyncio.Task[None] | None = getattr(handler, "_tasks", {}).get(stream)
+    if task is not None:
+        task.add_done_callback(lambda _: release_once())
+
+
+def reset_stream(processor: EventsProcessor, event: StreamReset) -> None:
+    """grpclib's handling of a reset stream, for a stream whose task may be gone.
+
+    grpclib's handler forgets finished tasks every few requests; a reset of a
+    stream whose task it already forgot raised KeyError out of the protocol.
+    """
+    with contextlib.suppress(KeyError):  # its handler task had finished: nothing to cancel
+        processor.process_stream_reset(event)
+
+
+def encode_message(message: str) -> str:
+    """A `grpc-message` header value (percent-encoded as gRPC requires)."""
+    encoded: str = encode_grpc_message(message)
+    return encoded

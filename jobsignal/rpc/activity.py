@@ -1,12 +1,17 @@
 """Per-connection activity: client heartbeats (HTTP/2 PINGs) and the ping-flood rule.
 
 A client's PING on a connection counts as a heartbeat for every subscription
-on that connection (DESIGN.md section 3). Pings arriving faster than the
-allowed interval are strikes; past the allowed strikes the connection is
-closed with GOAWAY ENHANCE_YOUR_CALM "too_many_pings", as gRPC servers do.
-Strikes are forgiven whenever the server has sent data since the last ping,
-because clients legitimately ping more often while data flows (BDP probes).
-Time comes from trio's clock, which trio-asyncio also gives the asyncio loop.
+on that connection (docs/architecture.md, "The idle rule"). As in grpc-go and
+gRPC core, a PING counts against the client only while no data flows: every
+DATA or HEADERS frame the server sends on the connection (`note_sent`, called
+per frame by `rpc.connections`) forgives the strikes, because clients ping
+with their window updates while they receive (grpc-go's BDP estimation).
+A PING with no data sent since the previous one, sooner than the minimum
+interval less 10% for timer jitter, is a strike; past the allowed strikes
+the connection is closed with GOAWAY ENHANCE_YOUR_CALM "too_many_pings".
+The default minimum interval, 3 s with or without open streams, is ClusterD
+v26's keepalive enforcement policy. Time comes from trio's clock, which
+trio-asyncio also gives the asyncio loop.
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ from dataclasses import dataclass
 
 import trio
 
+# Timers fire a little early or late: a client pinging every `min_interval`
+# seconds may measure a few percent under it.
+TIMER_SLACK = 0.1
+
 
 @dataclass(frozen=True)
 class PingPolicy:
-    min_interval: float = 4.0
+    min_interval: float = 3.0
     max_strikes: int = 2
 
 
@@ -35,7 +44,7 @@ class ConnectionActivity:
         self._sent_since_ping = False
 
     def note_sent(self) -> None:
-        """The server wrote messages on this connection."""
+        """The server sent a DATA or HEADERS frame on this connection."""
         self._sent_since_ping = True
 
     def ping_received(self) -> bool:
@@ -44,7 +53,10 @@ class ConnectionActivity:
         self.pings_received += 1
         if self._sent_since_ping:
             self.strikes = 0
-        elif self._last_ping_at is not None and now - self._last_ping_at < self.policy.min_interval:
+        elif (
+            self._last_ping_at is not None
+            and now - self._last_ping_at < self.policy.min_interval * (1 - TIMER_SLACK)
+        ):
             self.strikes += 1
         self._last_ping_at = now
         self._sent_since_ping = False

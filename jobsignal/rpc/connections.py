@@ -1,45 +1,91 @@
-"""HTTP/2 connections as jobsignal sees them: heartbeats, ping floods, idle closes.
+"""HTTP/2 connections as jobsignal sees them: the fault boundary of each peer.
 
-grpclib answers client PINGs inside h2 and offers no hook for them, so the
-server's protocol factory wraps grpclib's protocol in a subclass that routes
-PingReceived to the connection's `ConnectionActivity`. This reaches into
-grpclib internals (`Server._protocol_factory`, `EventsProcessor.processors`,
-`Connection._connection`, `protocol.Stream.connection`): grpclib is pinned
-in pyproject.toml and tests/rpc/test_pings.py proves real client pings are seen.
+grpclib's protocol feeds every byte a peer sends to h2 and every h2 event to
+its own processor, with no hooks and no limits. The server's protocol factory
+wraps it in `ObservedH2Protocol`, which owns what one connection may do:
+
+- client PINGs are heartbeats for the idle rule, and ping strikes are
+  forgiven by every DATA or HEADERS frame the server sends (`rpc.activity`);
+- the abuse budgets of `rpc.guard` (Rapid Reset, control-frame floods) end
+  the connection with GOAWAY ENHANCE_YOUR_CALM;
+- a handshake timeout for peers that never send the preface and SETTINGS;
+- at most `read_bytes_per_turn` of input per event-loop turn, so one peer's
+  burst cannot hold the loop;
+- a peer that does not read: the server stops reading from it (its PINGs and
+  SETTINGS cannot queue answers without bound) and closes it after
+  `write_stall_timeout`;
+- the stream limit is advertised in SETTINGS and extra streams are refused one
+  by one with REFUSED_STREAM (h2 itself only ends a connection that goes far
+  past it); a request without `:path` is answered with a status;
+- protocol errors are answered with the GOAWAY h2 prepared, flushed before
+  the close, and logged (rate-limited); any unexpected error while handling
+  a peer's input ends only that connection.
+
+Every reach into grpclib and h2 internals goes through `rpc._grpclib`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import Any
 
 import grpclib.server
-from grpclib.metadata import encode_grpc_message
+import trio
 from grpclib.protocol import Connection, H2Protocol
 from h2.errors import ErrorCodes
-from h2.events import PingReceived, RequestReceived
+from h2.events import Event, PingReceived, RemoteSettingsChanged, RequestReceived, StreamReset
+from h2.exceptions import ProtocolError
 
+from jobsignal.logs import RateLimitedLog, quote
+from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
+from jobsignal.rpc.guard import ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.limits import ConnectionCounter, Limits
 
 log = logging.getLogger(__name__)
+fault_log = RateLimitedLog(log)
 
-TOO_MANY_PINGS = b"too_many_pings"
+TOO_MANY_PINGS = "too_many_pings"
+HANDSHAKE_TIMEOUT = "handshake_timeout"
+WRITE_STALLED = "write_stalled"
+PROTOCOL_ERROR = "protocol_error"
+INTERNAL_ERROR = "internal_error"
 RESOURCE_EXHAUSTED = 8
+INTERNAL = 13
 # Seconds a refused connection may take to send the request it is refused on.
 REFUSED_CONNECTION_LINGER = 5.0
+
+
+def hard_stream_limit(advertised: int) -> int:
+    """Concurrent streams at which h2 ends the connection: a peer that goes this
+    far past the advertised limit ignores SETTINGS; below it, extra streams
+    (for example sent before the peer saw our SETTINGS) are refused one by one."""
+    return max(2 * advertised, advertised + 100)
 
 
 class ConnectionTable:
     """The live connections of one server, keyed by grpclib's Connection."""
 
-    def __init__(self, ping_policy: PingPolicy, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        ping_policy: PingPolicy,
+        limits: Limits | None = None,
+        protocol_limits: ProtocolLimits | None = None,
+    ) -> None:
         self.ping_policy = ping_policy
         self.limits = limits or Limits()
+        self.protocol_limits = protocol_limits or ProtocolLimits()
         self.counter = ConnectionCounter(self.limits)
         self._protocols: dict[Connection, ObservedH2Protocol] = {}
-        self.ping_floods = 0
+        # Connections the server closed on a peer's misbehaviour, by reason.
+        self.closed_by_server: Counter[str] = Counter()
+        self.streams_refused = 0
+
+    @property
+    def ping_floods(self) -> int:
+        return self.closed_by_server[TOO_MANY_PINGS]
 
     def __len__(self) -> int:
         return len(self._protocols)
@@ -54,15 +100,7 @@ class ConnectionTable:
         return list(self._protocols.values())
 
     def activity_of(self, stream: grpclib.server.Stream[Any, Any]) -> ConnectionActivity:
-        return self._protocols[stream._stream.connection].activity
-
-    def stream_limit_refusal(self, stream: grpclib.server.Stream[Any, Any]) -> str | None:
-        """Why this stream exceeds its connection's stream limit, or None."""
-        protocol = self._protocols.get(stream._stream.connection)
-        limit = self.limits.max_streams_per_connection
-        if protocol is not None and len(protocol.processor.streams) > limit:
-            return f"too many concurrent streams on this connection (limit {limit})"
-        return None
+        return self._protocols[_grpclib.connection_of(stream)].activity
 
     def close_if_unused(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         """Close the stream's connection once no other stream uses it.
@@ -70,7 +108,7 @@ class ConnectionTable:
         Checked on the next loop turn, after grpclib has released the ending
         stream, so the check sees only the streams that are still live.
         """
-        protocol = self._protocols.get(stream._stream.connection)
+        protocol = self._protocols.get(_grpclib.connection_of(stream))
         if protocol is not None:
             asyncio.get_running_loop().call_soon(protocol.goaway_if_unused)
 
@@ -85,58 +123,241 @@ class ObservedH2Protocol(H2Protocol):
     def __init__(self, base: H2Protocol, table: ConnectionTable) -> None:
         super().__init__(base.handler, base.config, base.h2_config)
         self._table = table
+        self._limits = table.protocol_limits
         self._linger: asyncio.TimerHandle | None = None
+        self._handshake_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._input = bytearray()
+        self._draining = False
+        self._write_blocked = False
+        self._reading_paused = False
+        self._refusal: str | None = None
+        self.ip = self.peer = "unknown"
+
+    # -- lifecycle -------------------------------------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        self._transport = transport
         peer = transport.get_extra_info("peername")
         self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.activity = ConnectionActivity(self._table.ping_policy, peer_text, self.ip)
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.activity = ConnectionActivity(self._table.ping_policy, self.peer, self.ip)
+        self.budget = ConnectionBudget(self._limits, trio.current_time())
+        loop = asyncio.get_running_loop()
+        self._handshake_timer = loop.call_later(
+            self._limits.handshake_timeout, self._handshake_expired
+        )
+        h2_connection = _grpclib.h2_connection_of(self)
+        advertised = self._table.limits.max_streams_per_connection
+        _grpclib.advertise_stream_limit(h2_connection, advertised, hard_stream_limit(advertised))
+        activity, budget = self.activity, self.budget
+
+        def frames_sent() -> None:
+            # Not a method: h2's connection outlives this protocol in grpclib's
+            # finished streams, and must not keep it alive.
+            activity.note_sent()
+            budget.frames_sent()
+
+        _grpclib.on_frames_sent(h2_connection, frames_sent)
+        self.connection.flush()
         self._refusal = self._table.counter.refusal(self.ip)
         if self._refusal is not None:
             # Answer the first request with a status the client can read, then go.
-            log.warning("refusing connection from %s: %s", peer_text, self._refusal)
+            log.warning("refusing connection from %s: %s", self.peer, self._refusal)
             self._table.counter.refused += 1
-            self.processor.processors[RequestReceived] = self._refuse_request
-            self._linger = asyncio.get_running_loop().call_later(
+            _grpclib.set_event_handler(self.processor, RequestReceived, self._refuse_request)
+            self._linger = loop.call_later(
                 REFUSED_CONNECTION_LINGER, self.goaway, ErrorCodes.NO_ERROR, b"refused"
             )
             return
         self._table.counter.opened(self.ip)
-        self.processor.processors[PingReceived] = self._ping_received
+        _grpclib.set_event_handler(self.processor, PingReceived, self._ping_received)
+        _grpclib.set_event_handler(self.processor, RequestReceived, self._request_received)
+        _grpclib.set_event_handler(self.processor, StreamReset, self._stream_reset)
         self._table.add(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self._linger is not None:
-            self._linger.cancel()  # the timer would keep this protocol alive
-            self._linger = None
+        # Timers would keep this protocol alive.
+        for timer in (self._linger, self._handshake_timer, self._stall_timer):
+            if timer is not None:
+                timer.cancel()
+        self._linger = self._handshake_timer = self._stall_timer = None
+        self._input.clear()
         if self._refusal is None:
             self._table.counter.closed(self.ip)
             self._table.discard(self)
         super().connection_lost(exc)
 
+    # -- input -----------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self._input += data
+        if not self._draining:
+            self._drain_input()
+
+    def _drain_input(self) -> None:
+        """Handle one turn's share of the input; the rest waits for the next turn."""
+        self._draining = False
+        if self.connection.is_closing():
+            self._input.clear()
+            return
+        share = self._limits.read_bytes_per_turn
+        chunk = bytes(self._input[:share])
+        del self._input[:share]
+        try:
+            self._handle_input(chunk)
+        except Exception:
+            self._table.closed_by_server[INTERNAL_ERROR] += 1
+            fault_log.error(
+                INTERNAL_ERROR,
+                "unexpected error handling input from %s; closing that connection",
+                self.peer,
+                exc_info=True,
+            )
+            self.goaway(ErrorCodes.INTERNAL_ERROR, b"internal error")
+        if self._input and not self.connection.is_closing():
+            self._draining = True
+            asyncio.get_running_loop().call_soon(self._drain_input)
+        self._update_reading()
+
+    def _handle_input(self, chunk: bytes) -> None:
+        try:
+            events = self.connection.feed(chunk)
+        except ProtocolError as error:
+            self._table.closed_by_server[PROTOCOL_ERROR] += 1
+            fault_log.warning(
+                PROTOCOL_ERROR,
+                "HTTP/2 protocol error from %s: %s; closing that connection",
+                self.peer,
+                quote(str(error)),
+            )
+            # h2 has queued the GOAWAY that names the error: send it, then close.
+            self.connection.flush()
+            self.processor.close(reason=f"protocol error: {error}")
+            return
+        self.connection.flush()
+        now = trio.current_time()
+        for event in events:
+            broken = self.budget.charge(event, now)
+            if broken is not None:
+                self._enhance_your_calm(broken)
+                return
+            if isinstance(event, RemoteSettingsChanged) and self._handshake_timer is not None:
+                self._handshake_timer.cancel()
+                self._handshake_timer = None
+            self._process(event)
+            if self.connection.is_closing():
+                return
+        self.connection.flush()
+
+    def _process(self, event: Event) -> None:
+        _grpclib.process_event(self.processor, event)
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_blocked = True
+        self._update_reading()
+        if self._stall_timer is None:
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                self._limits.write_stall_timeout, self._write_stalled
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._write_blocked = False
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read from the peer only while it reads from us and its input is handled."""
+        pause = self._write_blocked or self._draining
+        if pause == self._reading_paused or self.connection.is_closing():
+            return
+        self._reading_paused = pause
+        if pause:
+            self._transport.pause_reading()
+        else:
+            self._transport.resume_reading()
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def _request_received(self, event: RequestReceived) -> None:
+        h2_connection = _grpclib.h2_connection_of(self)
+        limit = self._table.limits.max_streams_per_connection
+        if _grpclib.open_inbound_streams(h2_connection) > limit:
+            # Over the limit advertised in SETTINGS: refuse this stream alone
+            # (clients retry a refused stream transparently).
+            self._table.streams_refused += 1
+            h2_connection.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+            return
+        names = {n.decode() if isinstance(n, bytes) else n for n, _ in event.headers or []}
+        if ":path" not in names:
+            self._answer(event.stream_id, "400", INTERNAL, "malformed request: no :path")
+            return
+        _grpclib.accept_request(self.processor, event)
+
+    def _stream_reset(self, event: StreamReset) -> None:
+        _grpclib.reset_stream(self.processor, event)
+
     def _refuse_request(self, event: RequestReceived) -> None:
         assert self._refusal is not None
-        h2_connection = self.connection._connection
-        h2_connection.send_headers(
-            event.stream_id,
+        self._answer(event.stream_id, "200", RESOURCE_EXHAUSTED, self._refusal)
+        self.goaway(ErrorCodes.NO_ERROR, b"too_many_connections")
+
+    def _answer(self, stream_id: int, http_status: str, grpc_status: int, message: str) -> None:
+        """End a stream with a gRPC status, without passing it to grpclib."""
+        _grpclib.h2_connection_of(self).send_headers(
+            stream_id,
             [
-                (":status", "200"),
+                (":status", http_status),
                 ("content-type", "application/grpc+proto"),
-                ("grpc-status", str(RESOURCE_EXHAUSTED)),
-                ("grpc-message", encode_grpc_message(self._refusal)),
+                ("grpc-status", str(grpc_status)),
+                ("grpc-message", _grpclib.encode_message(message)),
             ],
             end_stream=True,
         )
-        self.goaway(ErrorCodes.NO_ERROR, b"too_many_connections")
 
     def _ping_received(self, event: PingReceived) -> None:
         # h2 has already queued the PING ACK; only the heartbeat is ours.
         if not self.activity.ping_received():
-            log.warning("closing connection from %s: too many pings", self.activity.peer)
-            self._table.ping_floods += 1
-            self.goaway(ErrorCodes.ENHANCE_YOUR_CALM, TOO_MANY_PINGS)
+            log.warning("closing connection from %s: too many pings", self.peer)
+            self._table.closed_by_server[TOO_MANY_PINGS] += 1
+            self.goaway(ErrorCodes.ENHANCE_YOUR_CALM, TOO_MANY_PINGS.encode())
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def _enhance_your_calm(self, rule: str) -> None:
+        self._table.closed_by_server[rule] += 1
+        fault_log.warning(rule, "closing connection from %s: %s", self.peer, rule)
+        self.goaway(ErrorCodes.ENHANCE_YOUR_CALM, rule.encode())
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        self._table.closed_by_server[HANDSHAKE_TIMEOUT] += 1
+        fault_log.warning(
+            HANDSHAKE_TIMEOUT,
+            "closing connection from %s: no HTTP/2 preface and SETTINGS within %gs",
+            self.peer,
+            self._limits.handshake_timeout,
+        )
+        self.goaway(ErrorCodes.PROTOCOL_ERROR, HANDSHAKE_TIMEOUT.encode())
+
+    def _write_stalled(self) -> None:
+        self._stall_timer = None
+        self._table.closed_by_server[WRITE_STALLED] += 1
+        fault_log.warning(
+            WRITE_STALLED,
+            "closing connection from %s: it has not read for %gs",
+            self.peer,
+            self._limits.write_stall_timeout,
+        )
+        # Nothing more can be written to it: drop what is buffered.
+        self._transport.abort()
 
     def goaway_if_unused(self) -> None:
         if not self.processor.streams:
@@ -146,7 +367,7 @@ class ObservedH2Protocol(H2Protocol):
         """Send GOAWAY and close the transport (after buffered data is written)."""
         if self.connection.is_closing():
             return
-        self.connection._connection.close_connection(error_code=code, additional_data=debug)
+        _grpclib.h2_connection_of(self).close_connection(error_code=code, additional_data=debug)
         self.connection.flush()
         self.processor.close(reason=f"GOAWAY {code.name} {debug.decode()}")
 

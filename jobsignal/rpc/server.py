@@ -9,7 +9,6 @@ flush, close the server, then close any connection still open.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 from collections import Counter
@@ -26,9 +25,11 @@ from grpclib.reflection.service import ServerReflection
 
 from jobsignal._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from jobsignal.fanout import Broadcaster, EndReason
+from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.codec import PassthroughCodec
 from jobsignal.rpc.connections import ConnectionTable, JobsignalServer
+from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.reflection import ChainedPool
 from jobsignal.rpc.registry import Registry
@@ -54,6 +55,7 @@ class ServerSettings:
     backlog: int = 4096
     tls: TlsFiles | None = None
     limits: Limits = field(default_factory=Limits)
+    protocol_limits: ProtocolLimits = field(default_factory=ProtocolLimits)
     tls_reload_interval: float = 30.0
 
 
@@ -117,7 +119,7 @@ async def run_grpc_server(
     *,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    connections = ConnectionTable(settings.ping_policy, settings.limits)
+    connections = ConnectionTable(settings.ping_policy, settings.limits, settings.protocol_limits)
     service = JobService(
         registry=registry,
         broadcaster=broadcaster,
@@ -143,16 +145,16 @@ async def run_grpc_server(
             config=_grpclib_config(settings),
             connections=connections,
         )
-        await trio_asyncio.aio_as_trio(server.start)(
+        listener = await trio_asyncio.aio_as_trio(_grpclib.start_server)(
+            server,
             settings.host,
             settings.port,
+            family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
             backlog=settings.backlog,
             ssl=tls.listening_context if tls is not None else None,
-            reuse_address=True,
-            family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
+            # Peers that never finish the TLS handshake hold a connection too.
+            ssl_handshake_timeout=settings.protocol_limits.handshake_timeout,
         )
-        listener = server._server
-        assert isinstance(listener, asyncio.Server)
         bound = listener.sockets[0].getsockname()
         nursery.start_soon(_track_health, status, ready_health, source_health)
         if tls is None:
@@ -187,8 +189,7 @@ async def _stop(
     grace: float,
 ) -> None:
     log.info("shutting down: ending %d streams", len(broadcaster.subscribers))
-    assert server._server is not None
-    server._server.close()  # stop accepting; live connections stay for the trailers
+    _grpclib.listener_of(server).close()  # stop accepting; connections stay for the trailers
     broadcaster.end_all(EndReason.SHUTDOWN)
     deadline = trio.current_time() + grace  # the whole stop fits in the grace period
     with trio.move_on_at(deadline):

@@ -108,15 +108,13 @@ class JobService:
 
     async def _refuse_if_over_limits(self, stream: Stream, limiter: RateLimiter, what: str) -> bool:
         """Answer RESOURCE_EXHAUSTED and return True when a limit is hit."""
-        refusal = self.connections.stream_limit_refusal(stream)
         ip = self.connections.activity_of(stream).ip
-        if refusal is None and not limiter.allow(ip):
-            refusal = (
-                f"rate limit: at most {limiter.rate:g} {what} calls per second"
-                f" (bursts of {limiter.burst}) per client address; retry later"
-            )
-        if refusal is None:
+        if limiter.allow(ip):
             return False
+        refusal = (
+            f"rate limit: at most {limiter.rate:g} {what} calls per second"
+            f" (bursts of {limiter.burst}) per client address; retry later"
+        )
         log.info("refused %s from %s: %s", what, ip, refusal)
         self.broadcaster.stats.stream_ends["refused"] += 1
         await stream.send_trailing_metadata(

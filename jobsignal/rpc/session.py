@@ -143,7 +143,6 @@ async def serve_subscription(
                             await send_frames(frames)
                         if send_scope.cancelled_caught:
                             subscriber.end(EndReason.SLOW)
-                    activity.note_sent()
                     idle.touch()
                     _record_delivery(broadcaster, frames, seen)
             if idle.scope.cancelled_caught:

@@ -18,7 +18,7 @@ async def test_an_unexpected_error_in_a_handler_is_internal_logged_and_counted(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    def broken_register(self: Registry, role: str, now: float) -> str:
+    def broken_register(self: Registry, *args: object, **kwargs: object) -> str:
         raise RuntimeError("a bug one request can reach")
 
     async with open_jobsignal_server() as server:
