@@ -111,10 +111,6 @@ def h2_connection_of(protocol: H2Protocol) -> H2Connection:
     return h2_connection
 
 
-def open_inbound_streams(h2_connection: H2Connection) -> int:
-    return int(h2_connection.open_inbound_streams)
-
-
 def advertise_stream_limit(h2_connection: H2Connection, advertised: int, enforced: int) -> None:
     """Tell the peer `advertised` concurrent streams; let h2 end the connection only past
     `enforced`. h2 enforces the very value it advertises, and a stream over it kills

@@ -27,6 +27,7 @@ Every reach into grpclib and h2 internals goes through `rpc._grpclib`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from typing import Any
@@ -36,7 +37,7 @@ import trio
 from grpclib.protocol import Connection, H2Protocol
 from h2.errors import ErrorCodes
 from h2.events import Event, PingReceived, RemoteSettingsChanged, RequestReceived, StreamReset
-from h2.exceptions import ProtocolError
+from h2.exceptions import ProtocolError, StreamClosedError
 
 from jobsignal.logs import RateLimitedLog, quote
 from jobsignal.rpc import _grpclib
@@ -287,13 +288,16 @@ class ObservedH2Protocol(H2Protocol):
     # -- events ----------------------------------------------------------------------------------
 
     def _request_received(self, event: RequestReceived) -> None:
-        h2_connection = _grpclib.h2_connection_of(self)
-        limit = self._table.limits.max_streams_per_connection
-        if _grpclib.open_inbound_streams(h2_connection) > limit:
+        # Streams this connection holds now (h2's own count already includes
+        # every stream opened in the same read).
+        if len(self.processor.streams) >= self._table.limits.max_streams_per_connection:
             # Over the limit advertised in SETTINGS: refuse this stream alone
             # (clients retry a refused stream transparently).
             self._table.streams_refused += 1
-            h2_connection.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+            with contextlib.suppress(StreamClosedError):  # the peer reset it already
+                _grpclib.h2_connection_of(self).reset_stream(
+                    event.stream_id, ErrorCodes.REFUSED_STREAM
+                )
             return
         names = {n.decode() if isinstance(n, bytes) else n for n, _ in event.headers or []}
         if ":path" not in names:
@@ -311,6 +315,12 @@ class ObservedH2Protocol(H2Protocol):
 
     def _answer(self, stream_id: int, http_status: str, grpc_status: int, message: str) -> None:
         """End a stream with a gRPC status, without passing it to grpclib."""
+        with contextlib.suppress(StreamClosedError):  # the peer reset it already
+            self._send_status(stream_id, http_status, grpc_status, message)
+
+    def _send_status(
+        self, stream_id: int, http_status: str, grpc_status: int, message: str
+    ) -> None:
         _grpclib.h2_connection_of(self).send_headers(
             stream_id,
             [
