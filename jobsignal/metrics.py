@@ -40,6 +40,8 @@ class FanoutStats:
     messages_delivered: int = 0
     coalesced: int = 0
     rank_tables_stripped: int = 0
+    # Job events that could not be encoded or queued, by where it failed.
+    events_dropped: Counter[str] = field(default_factory=Counter)
     stream_ends: Counter[str] = field(default_factory=Counter)
     delivery_latency: Histogram = field(default_factory=Histogram)
 
@@ -183,6 +185,12 @@ def render(sources: MetricSources) -> str:
         "counter",
         "Job events sent without HcclJson because the message exceeded the send limit.",
         fanout.rank_tables_stripped,
+    )
+    out.family(
+        "jobsignal_job_events_dropped_total",
+        "counter",
+        "Job events dropped because encoding or queueing them failed (a bug: logged), by step.",
+        [({"reason": reason}, count) for reason, count in sorted(fanout.events_dropped.items())],
     )
     out.family(
         "jobsignal_stream_ends_total",

@@ -5,10 +5,16 @@ message type, records it as the job's latest state (for snapshots), and
 pushes the same bytes into every subscriber's queue. Subscribing and taking
 the snapshot happen in one synchronous step, so no event can fall between the
 snapshot and the live stream.
+
+One job event is a fault boundary: the store only emits valid UTF-8, so an
+event that fails to encode or queue is a bug, but it costs only that event
+(dropped, logged rate-limited, counted in `FanoutStats.events_dropped`), not
+the watcher, the other events or a snapshot.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -18,8 +24,11 @@ import trio
 
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
 from jobsignal.fanout.subscriber import EndReason, QueueEntry, StreamKind, Subscriber
+from jobsignal.logs import RateLimitedLog, quote
 from jobsignal.metrics import FanoutStats
 from jobsignal.store.model import JobKey, JobSummary
+
+log = logging.getLogger(__name__)
 
 # DESIGN.md 2: a snapshot batch carries rank tables of at most this many NPUs.
 DEFAULT_BATCH_NPUS = 40_000
@@ -58,6 +67,7 @@ class Broadcaster:
         self._signal_subscribers: set[Subscriber] = set()
         self._list_subscribers: set[Subscriber] = set()
         self.stats = stats or FanoutStats()
+        self._faults = RateLimitedLog(log)
 
     # -- state -------------------------------------------------------------
 
@@ -95,15 +105,19 @@ class Broadcaster:
             stats.events_published += 1
             if not (self._signal_subscribers or self._list_subscribers):
                 continue
-            signal = self._signal(event)
-            entry: QueueEntry = (key, signal, seen_at)
-            for subscriber in self._signal_subscribers:
-                subscriber.push_entry(entry)
-            if self._list_subscribers:
-                as_list = encode_signal_list([signal], self._now_ms(), len(self._latest))
-                entry = (key, as_list, seen_at)
-                for subscriber in self._list_subscribers:
+            try:
+                signal = self._signal(event)
+                entry: QueueEntry = (key, signal, seen_at)
+                for subscriber in self._signal_subscribers:
                     subscriber.push_entry(entry)
+                if self._list_subscribers:
+                    as_list = encode_signal_list([signal], self._now_ms(), len(self._latest))
+                    entry = (key, as_list, seen_at)
+                    for subscriber in self._list_subscribers:
+                        subscriber.push_entry(entry)
+            except Exception:
+                self._drop(event, "publish")
+                continue
             stats.messages_queued += len(self._signal_subscribers) + len(self._list_subscribers)
 
     # -- subscriptions -----------------------------------------------------
@@ -124,8 +138,10 @@ class Broadcaster:
             for batch in self.snapshot_batches():
                 subscriber.push_unique(batch)
         elif snapshot:
-            for entry in self._latest.values():
-                subscriber.push(entry.job.key, self._signal(entry))
+            for entry in list(self._latest.values()):
+                signal = self._snapshot_signal(entry)
+                if signal is not None:
+                    subscriber.push(entry.job.key, signal)
         self._set_of(kind).add(subscriber)
         return subscriber
 
@@ -144,19 +160,24 @@ class Broadcaster:
         than that goes alone, with an empty HcclJson.
         """
         report_time = self._now_ms()
+        # Encoded first, so that a job dropped as unencodable is not in JobTotalNum.
+        signals = [
+            (entry, self._snapshot_signal(entry, stripped=entry.job.npu_count > self._batch_npus))
+            for entry in list(self._latest.values())
+        ]
         total = len(self._latest)
         batch: list[bytes] = []
         batch_npus = batch_bytes = 0
-        for entry in self._latest.values():
+        for entry, signal in signals:
+            if signal is None:
+                continue
             npus = entry.job.npu_count
             if npus > self._batch_npus:
                 if batch:
                     yield encode_signal_list(batch, report_time, total)
                     batch, batch_npus, batch_bytes = [], 0, 0
-                stripped = encode_signal(entry.job, entry.uuid, strip_rank_table=True)
-                yield encode_signal_list([stripped], report_time, total)
+                yield encode_signal_list([signal], report_time, total)
                 continue
-            signal = self._signal(entry)
             size = len(signal) + 8
             too_big = batch_bytes + size + 64 > self._max_message_bytes
             if batch and (batch_npus + npus > self._batch_npus or too_big):
@@ -174,6 +195,32 @@ class Broadcaster:
         if event.encoded is None:
             event.encoded = self._encode(event.job, event.uuid)
         return event.encoded
+
+    def _snapshot_signal(self, event: EncodedJob, *, stripped: bool = False) -> bytes | None:
+        """The event's signal (without its rank table if `stripped`) for a snapshot,
+        or None, and the job dropped, if it cannot be encoded."""
+        try:
+            if stripped:
+                return encode_signal(event.job, event.uuid, strip_rank_table=True)
+            return self._signal(event)
+        except Exception:
+            self._drop(event, "snapshot")
+            return None
+
+    def _drop(self, event: EncodedJob, step: str) -> None:
+        """Forget an event that cannot be sent (called from an `except` block)."""
+        key = event.job.key
+        if self._latest.get(key) is event:
+            del self._latest[key]  # a snapshot must not trip over it again
+        self.stats.events_dropped[step] += 1
+        self._faults.error(
+            f"event_{step}",
+            "dropped the job event of %s/%s (%s failed)",
+            quote(event.job.namespace, 80),
+            quote(event.job.job_id, 80),
+            step,
+            exc_info=True,
+        )
 
     def _encode(self, job: JobSummary, event_uuid: str) -> bytes:
         """Encode a signal; one above the send limit goes out without its rank table

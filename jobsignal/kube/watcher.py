@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,14 +33,20 @@ from jobsignal.kube.api import (
     Throttled,
     Unauthorized,
 )
+from jobsignal.logs import RateLimitedLog, quote
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
+from jobsignal.store.configmap import BadConfigMap
 from jobsignal.store.jobs import Changes
 
 log = logging.getLogger(__name__)
 
 # Job events handed to the broadcaster between two checkpoints.
 PUBLISH_SLICE = 64
+# Characters of rank table parsed between two checkpoints during a LIST
+# (about 5 ms of JSON parsing), and job slices settled per step after it.
+PARSE_SLICE = 256 * 1024
+SETTLE_SLICE = 512
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,8 @@ class WatchCounters:
     events: int = 0
     bookmarks: int = 0
     errors: int = 0
+    # Watch events or LISTs whose application to the store failed unexpectedly.
+    apply_errors: int = 0
 
 
 class Watcher:
@@ -103,6 +112,7 @@ class Watcher:
         self.counters = WatchCounters()
         self._scopes: tuple[str | None, ...] = settings.namespaces or (None,)
         self._listed: set[str | None] = set()
+        self._faults = RateLimitedLog(log)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Watch every scope forever. Starts at once: readiness comes via SourceStatus."""
@@ -163,30 +173,57 @@ class Watcher:
         return {"labelSelector": self._settings.label_selector}
 
     async def _relist(self, namespace: str | None) -> str:
-        items: list[dict[str, Any]] = []
+        relist = self._store.relist(namespace)
         params = {**self._selector(), "limit": str(self._settings.page_size)}
+        listed = work = 0
         while True:
             page = await self._api.list_page(namespace, params)
-            items.extend(item for item in page.get("items", []) if isinstance(item, dict))
-            metadata = page.get("metadata") or {}
+            for item in page.get("items", []):
+                if not isinstance(item, dict):
+                    continue
+                listed += 1
+                work += relist.add(item)
+                if work >= PARSE_SLICE:
+                    work = 0
+                    await trio.lowlevel.checkpoint()
+            metadata = _mapping(page.get("metadata"))
             token = metadata.get("continue")
             if not token:
                 break
             params = {**params, "continue": str(token)}
-        version = str((page.get("metadata") or {}).get("resourceVersion") or "")
+        version = str(metadata.get("resourceVersion") or "")
         if not version:
             raise BadResponse("LIST response has no metadata.resourceVersion")
         self.counters.lists += 1
-        changes = self._store.replace_all(items, self._wall_clock(), namespace=namespace)
+        try:
+            changes = relist.commit(self._wall_clock())
+        except Exception:
+            changes = Changes()
+            self._apply_failed("LIST of " + (namespace or "all namespaces"))
         await self._publish(changes)
+        events = len(changes.events) + await self._settle()
         log.info(
             "LIST %s: %d ConfigMaps at resourceVersion %s, %d job events",
             namespace or "all namespaces",
-            len(items),
+            listed,
             version,
-            len(changes.events),
+            events,
         )
         return version
+
+    async def _settle(self) -> int:
+        """Publish the job events a relist left pending, a slice at a time."""
+        published = 0
+        while self._store.pending:
+            try:
+                changes = self._store.settle(SETTLE_SLICE)
+            except Exception:
+                self._apply_failed("settling a LIST")
+                continue  # the failing job is no longer pending
+            await self._publish(changes)
+            published += len(changes.events)
+            await trio.lowlevel.checkpoint()
+        return published
 
     async def _watch(self, namespace: str | None, scope: _ScopeProgress, backoff: Backoff) -> None:
         """Watch from `scope.version`, advancing it with every event and bookmark.
@@ -210,22 +247,43 @@ class Watcher:
                 obj = event["object"]
                 if kind == "ERROR":
                     raise _watch_error(obj)
-                new_version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+                new_version = str(_mapping(obj.get("metadata")).get("resourceVersion") or "")
                 if kind == "BOOKMARK":
                     self.counters.bookmarks += 1
                 else:
                     self.counters.events += 1
-                    changes = self._store.apply(str(kind), obj, self._wall_clock())
-                    await self._publish(changes)
+                    try:
+                        changes = self._store.apply(str(kind), obj, self._wall_clock())
+                    except Exception:
+                        # Skip this event (its version still counts: it is not replayed).
+                        self._apply_failed(f"{kind} event")
+                    else:
+                        await self._publish(changes)
                 if new_version:
                     scope.version = new_version
                 scope.gone_streak = 0
                 backoff.reset()
                 self._status.mark_synced(self._wall_clock())
 
+    def _apply_failed(self, what: str) -> None:
+        """Log and count an unexpected error applying input (from an `except` block)."""
+        self.counters.apply_errors += 1
+        self._faults.error("apply_error", "applying a %s failed; skipped", what, exc_info=True)
+
+    def _log_rejection(self, problem: BadConfigMap) -> None:
+        if problem.reason == "internal_error" and problem.__cause__ is not None:
+            cause = problem.__cause__
+            frames = traceback.extract_tb(cause.__traceback__)
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            self._faults.error(
+                problem.reason, "skipped ConfigMap: %s: %s%s", problem, quote(cause), where
+            )
+        else:
+            self._faults.warning(problem.reason, "skipped ConfigMap: %s", problem)
+
     async def _publish(self, changes: Changes) -> None:
         for problem in changes.rejected:
-            log.warning("skipped ConfigMap: %s", problem)
+            self._log_rejection(problem)
         seen_at = trio.current_time()
         # publish() never waits; a relist can emit thousands of events for
         # thousands of subscribers, so hand them over in slices and let the
@@ -243,6 +301,11 @@ class Watcher:
                 job.operator,
                 job.npu_count,
             )
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else an empty one (a malformed envelope)."""
+    return value if isinstance(value, dict) else {}
 
 
 def _watch_error(status_object: dict[str, Any]) -> ApiError:

@@ -54,14 +54,14 @@ class Changes:
         self.rejected += other.rejected
 
 
-def checked_parse(configmap: Mapping[str, Any]) -> Slice:
+def checked_parse(configmap: Mapping[str, Any], ref: ConfigMapRef) -> Slice:
     """`parse_slice`, with any unexpected error turned into a rejection of this ConfigMap."""
     try:
         return parse_slice(configmap)
     except BadConfigMap:
         raise
     except Exception as error:  # a parser bug must reject one ConfigMap, not end the watcher
-        rejection = BadConfigMap("internal_error", f"{type(error).__name__} while parsing")
+        rejection = BadConfigMap("internal_error", f"{ref}: {type(error).__name__} while parsing")
         raise rejection from error
 
 
@@ -249,7 +249,7 @@ class JobStore:
             self.reject(changes, BadConfigMap("bad_event", detail))
             return changes
         try:
-            new_slice = checked_parse(configmap)
+            new_slice = checked_parse(configmap, ref)
         except BadConfigMap as error:
             # Keep the last good version: a bad rewrite must not end a job.
             self.reject(changes, error)
@@ -429,7 +429,7 @@ class Relist:
             if self._namespace is not None and ref.namespace != self._namespace:
                 return work
             self._listed.add(ref)
-            self._fresh[ref] = checked_parse(configmap)
+            self._fresh[ref] = checked_parse(configmap, ref)
         except BadConfigMap as error:
             self._store.reject(self._changes, error)
         return work

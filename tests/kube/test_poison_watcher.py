@@ -1,0 +1,346 @@
+"""Poison ConfigMaps through the real watcher (emulator over 127.0.0.1 HTTP).
+
+Whatever a tenant writes into a labelled ConfigMap, in the initial LIST or by
+the watch: start-up completes, the watcher keeps going, each bad ConfigMap is
+rejected with its reason (the job's last good state stands), rejections are
+logged rate-limited, and every frame a subscriber gets encodes valid UTF-8
+with a strict-JSON rank table. Unexpected errors while applying or encoding
+one event cost only that event. A large LIST is applied with checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import Counter
+from typing import Any
+
+import pytest
+import trio
+import trio.lowlevel
+import trio.testing
+
+import jobsignal.fanout.encoding as encoding_module
+import jobsignal.store.configmap as configmap_module
+from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
+from jobsignal.fanout import Broadcaster, StreamKind
+from jobsignal.kube import watcher as watcher_module
+from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.kube.emulator import KubeEmulator, open_emulator
+from jobsignal.store import JobStore, JobSummary
+from jobsignal.store.jobs import Changes
+
+from .helpers import Cluster, eventually, expected_summary, open_watcher
+
+
+def strict_loads(text: str) -> Any:
+    def refuse(literal: str) -> Any:
+        raise ValueError(f"not JSON: {literal}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def job(name: str, *, servers: int = 1, per_configmap: int = 1000) -> ClusterdJob:
+    return ClusterdJob(
+        "ns", name, f"uid-{name}", servers=servers, servers_per_configmap=per_configmap
+    )
+
+
+def create(emu: KubeEmulator, name: str, data: dict[str, str]) -> None:
+    emu.state.create_configmap("ns", name, JOB_LABELS, data)
+
+
+def write_poison(emu: KubeEmulator, tag: str) -> dict[str, int]:
+    """One poison job per kind (each name ending in `tag`); returns the expected reasons."""
+    expected: Counter[str] = Counter()
+
+    def poison_table(name: str, old: str, new: str, reason: str, **kw: int) -> None:
+        bad = job(f"{name}-{tag}", **kw)
+        for cm_name, data in bad.configmaps("running"):
+            create(emu, cm_name, {**data, "hccl.json": data["hccl.json"].replace(old, new)})
+            expected[reason] += 1
+
+    # The reported crash: a split job whose rank table escapes a lone surrogate.
+    poison_table(
+        "surrogate", '"node-', '"\\udc80node-', "hccl_json_not_strict", servers=2, per_configmap=1
+    )
+    poison_table("nan", '"total":', '"x":NaN,"total":', "hccl_json_not_strict")
+    poison_table(
+        "inf",
+        '"total":',
+        '"x":-Infinity,"total":',
+        "hccl_json_not_strict",
+        servers=2,
+        per_configmap=1,
+    )
+    poison_table("huge", '"total":', f'"x":1{"0" * 5000},"total":', "hccl_json_not_strict")
+    poison_table(
+        "deep", '"total":', '"x":' + "[" * 5000 + "]" * 5000 + ',"total":', "hccl_json_too_deep"
+    )
+    fields = {
+        "raw-surrogate": ("job_name", "name\udc80", "not_utf8"),  # sent as a JSON escape
+        "long-id": ("job_id", "u" * 10_000, "too_long"),
+        "bad-index": ("cm_index", "\u0661", "bad_index"),
+    }
+    for name, (key, value, reason) in fields.items():
+        cm_name, data = job(f"{name}-{tag}").configmaps("running")[0]
+        create(emu, cm_name, {**data, key: value})
+        expected[reason] += 1
+    return dict(expected)
+
+
+def assert_frames_deliverable(events: list[Any]) -> None:
+    for event in events:
+        if event.job.hccl_json:
+            strict_loads(event.job.hccl_json)
+        for value in dataclasses.astuple(event.job):
+            if isinstance(value, str):
+                value.encode("utf-8")
+
+
+async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="jobsignal.kube.watcher")
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        good, split = job("good"), job("split", servers=3, per_configmap=2)
+        cluster.write(good, "running")
+        cluster.write(split, "running")
+        listed_reasons = write_poison(emu, "listed")
+        async with open_watcher(emu) as harness:
+            with trio.fail_after(10):
+                await harness.status.ready.wait()  # the poison did not stop start-up
+            await harness.caught_up(cluster)
+            assert harness.store.rejected_total == listed_reasons
+            # The same poison again, now by the watch; then a change that is fine.
+            watched_reasons = write_poison(emu, "watched")
+            cluster.write(good, "complete")
+            await harness.caught_up(cluster)
+            # A good job's ConfigMap rewritten with poison: its last good state stands.
+            name, data = split.configmaps("complete")[1]
+            emu.state.update_configmap("ns", name, data={**data, "hccl.json": "[NaN]"})
+            cluster.write(good, "failed")
+            await harness.log.wait(
+                lambda: (
+                    harness.log.live().get(expected_summary(good, "failed").key)
+                    == expected_summary(good, "failed")
+                )
+            )
+            counters = harness.watcher.counters
+            assert counters.apply_errors == 0 and counters.errors == 0
+            assert counters.lists == 1
+        expected = dict(Counter(listed_reasons) + Counter(watched_reasons))
+        expected["hccl_json_not_strict"] += 1
+        assert harness.store.rejected_total == expected
+        assert harness.log.live() == {
+            expected_summary(good, "failed").key: expected_summary(good, "failed"),
+            expected_summary(split, "running").key: expected_summary(split, "running"),
+        }
+        assert {e.job.job_id for e in harness.log.events} == {"uid-good", "uid-split"}
+        assert_frames_deliverable(harness.log.events)
+    # Rate-limited: at most 5 lines per reason (burst) in the minute this took.
+    lines = Counter(
+        r.getMessage().split(": ")[1]
+        for r in caplog.records
+        if "skipped ConfigMap" in r.getMessage()
+    )
+    assert set(lines) == set(expected)
+    assert all(count <= 5 for count in lines.values()), lines
+    assert all(len(r.getMessage()) < 500 for r in caplog.records)
+
+
+async def test_rejection_logs_are_rate_limited_per_reason(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="jobsignal.kube.watcher")
+    async with open_emulator() as emu:
+        for index in range(40):
+            name, data = job(f"nan-{index}").configmaps("running")[0]
+            create(emu, name, {**data, "hccl.json": "NaN"})
+        async with open_watcher(emu) as harness:
+            with trio.fail_after(10):
+                await harness.status.ready.wait()
+            assert harness.store.rejected_total == {"hccl_json_not_strict": 40}
+            await trio.sleep(61)  # the next window: one more line, with the summary
+            name, data = job("nan-late").configmaps("running")[0]
+            create(emu, name, {**data, "hccl.json": "NaN"})
+            await eventually(lambda: harness.store.rejected_total["hccl_json_not_strict"] == 41)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("skipped ConfigMap" in m for m in messages) == 6
+    assert any("35 similar messages suppressed" in m for m in messages)
+
+
+async def test_unexpected_error_applying_one_event_skips_only_that_event(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    real_apply = JobStore.apply
+
+    def apply(self: JobStore, kind: str, obj: dict[str, Any], now: float) -> Changes:
+        if obj["metadata"]["name"] == "job-summary-cursed":
+            raise RuntimeError("a bug in the store")
+        return real_apply(self, kind, obj, now)
+
+    monkeypatch.setattr(JobStore, "apply", apply)
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        a = job("a")
+        cluster.write(a, "pending")
+        async with open_watcher(emu) as harness:
+            await harness.caught_up(cluster)
+            create(emu, *job("cursed").configmaps("running")[0])
+            cluster.write(a, "running")
+            await harness.log.wait(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
+            assert harness.watcher.counters.apply_errors == 1
+            assert harness.watcher.counters.watches == 1  # the watch went on
+    assert any("applying a ADDED event failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_failed(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    real_parse = configmap_module.parse_slice
+
+    def parse(obj: dict[str, Any]) -> Any:
+        if obj["metadata"]["name"] == "job-summary-cursed":
+            raise KeyError("x" * 10_000)
+        return real_parse(obj)
+
+    monkeypatch.setattr("jobsignal.store.jobs.parse_slice", parse)
+    async with open_emulator() as emu:
+        a = job("a")
+        create(emu, *a.configmaps("running")[0])
+        create(emu, *job("cursed").configmaps("running")[0])
+        async with open_watcher(emu) as harness:
+            with trio.fail_after(10):
+                await harness.status.ready.wait()
+            running = expected_summary(a, "running")
+            assert harness.log.live() == {running.key: running} or not harness.log.events
+            await harness.log.wait(lambda: harness.log.live() == {running.key: running})
+            assert harness.store.rejected_total == {"internal_error": 1}
+    [line] = [r.getMessage() for r in caplog.records if "internal_error" in r.getMessage()]
+    assert "ns/job-summary-cursed" in line and "KeyError" in line
+    assert "test_poison_watcher.py" in line and len(line) < 600
+
+
+async def test_unencodable_event_is_dropped_and_the_watcher_goes_on(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The store never emits such an event now; inject a failing encoder to
+    # check the last line of defence behind it.
+    real_encode = encoding_module.encode_signal
+
+    def encode(job: JobSummary, uuid: str, *, strip_rank_table: bool = False) -> bytes:
+        if job.job_name == "cursed":
+            "\udc80".encode()
+        return real_encode(job, uuid, strip_rank_table=strip_rank_table)
+
+    monkeypatch.setattr("jobsignal.fanout.broadcaster.encode_signal", encode)
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        a, cursed = job("a"), job("cursed")
+        cluster.write(a, "pending")
+        async with open_watcher(emu) as harness:
+            await harness.caught_up(cluster)
+            cluster.write(cursed, "running")
+            cluster.write(a, "running")
+            await harness.log.wait(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
+            stats = harness.broadcaster.stats
+            assert stats.events_dropped == {"publish": 1}
+            # A snapshot subscriber now gets the jobs that can be sent.
+            late = harness.broadcaster.subscribe(
+                StreamKind.SIGNAL, "FdAgent", "late", snapshot=True
+            )
+            frames = [JobSummarySignal.parse(f) for f in await late.next_batch(10)]
+            assert [f.job_id for f in frames] == ["uid-a"]
+            assert harness.watcher.counters.apply_errors == 0
+
+
+def poison_summary(job_id: str) -> JobSummary:
+    return JobSummary(
+        "ns", job_id, "bad\udc80", "pytorch", "running", "1", "1", "{}", "", "", "", "add", ""
+    )
+
+
+def good_summary(job_id: str) -> JobSummary:
+    return JobSummary(
+        "ns", job_id, "good", "pytorch", "running", "1", "1", "{}", "", "", "", "add", ""
+    )
+
+
+async def test_broadcaster_drops_an_unencodable_event_in_publish_and_in_snapshots() -> None:
+    broadcaster = Broadcaster()
+    # Nobody subscribed: encoding is deferred, so the failure shows in the snapshot.
+    broadcaster.publish([good_summary("a"), poison_summary("b")])
+    batches = list(broadcaster.snapshot_batches())
+    [batch] = batches
+    parsed = JobSummarySignalList.parse(batch)
+    assert [s.job_id for s in parsed.job_summary_signals] == ["a"]
+    assert parsed.job_total_num == 1
+    assert broadcaster.stats.events_dropped == {"snapshot": 1}
+    # Subscribed: the event is dropped at publish; the next events still go out.
+    subscriber = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "x", snapshot=True)
+    lister = broadcaster.subscribe(StreamKind.LIST, "FdAgent", "y", snapshot=True)
+    broadcaster.publish([poison_summary("c"), good_summary("d")])
+    frames = [JobSummarySignal.parse(f) for f in await subscriber.next_batch(10)]
+    assert [f.job_id for f in frames] == ["a", "d"]
+    assert lister.pending == 2  # its snapshot, then d
+    assert broadcaster.stats.events_dropped == {"snapshot": 1, "publish": 1}
+    assert {e.job.job_id for e in broadcaster.latest()} == {"a", "d"}
+
+
+async def test_a_large_list_is_applied_with_checkpoints(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No more than about PARSE_SLICE characters parsed, nor SETTLE_SLICE slices
+    settled, without letting another task run."""
+    ticks = 0
+    parsed_at: list[int] = []
+    settled_at: list[int] = []
+    real_parse = configmap_module.parse_slice
+    real_recompute = JobStore._recompute_one
+
+    def parse(obj: dict[str, Any]) -> Any:
+        parsed_at.append(ticks)
+        return real_parse(obj)
+
+    def recompute(self: JobStore, *args: Any, **kwargs: Any) -> None:
+        settled_at.append(ticks)
+        real_recompute(self, *args, **kwargs)
+
+    monkeypatch.setattr("jobsignal.store.jobs.parse_slice", parse)
+    monkeypatch.setattr(JobStore, "_recompute_one", recompute)
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    async with open_emulator() as emu:
+        jobs = [job(f"j{i}", servers=4) for i in range(1500)]
+        for each in jobs:
+            create(emu, *each.configmaps("running")[0])
+        table_chars = len(jobs[0].configmaps("running")[0][1]["hccl.json"])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            async with open_watcher(emu) as harness:
+                with trio.fail_after(30):
+                    await harness.status.ready.wait()
+                nursery.cancel_scope.cancel()
+            assert harness.broadcaster.job_count() == 1500
+    # Trio runs every runnable task once per scheduling batch, in random order,
+    # so two of the watcher's slices can fall between two turns of the ticker.
+    assert len(parsed_at) == 1500
+    most_parsed = max(Counter(parsed_at).values())
+    assert most_parsed <= 2 * (watcher_module.PARSE_SLICE // table_chars + 1), most_parsed
+    assert len(settled_at) == 1500
+    most_settled = max(Counter(settled_at).values())
+    assert most_settled <= 2 * watcher_module.SETTLE_SLICE, most_settled
+    assert len(set(settled_at)) >= 2
