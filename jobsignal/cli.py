@@ -6,16 +6,29 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import trio
-import trio_asyncio
 
 from jobsignal import __version__
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.app import run_jobsignal
-from jobsignal.client import Signal, SubscribeFailed, SubscribeOptions, subscribe
-from jobsignal.config import SERVE_SETTINGS, ConfigError, add_arguments, load_config, parse_listen
+from jobsignal.client import (
+    Signal,
+    SubscribeFailed,
+    SubscribeOptions,
+    client_ssl_context,
+    open_subscription,
+)
+from jobsignal.config import (
+    SERVE_SETTINGS,
+    SUBSCRIBE_SETTINGS,
+    ConfigError,
+    add_arguments,
+    load_config,
+    parse_listen,
+    resolve,
+)
 from jobsignal.logs import configure_logging
 
 EXIT_USAGE = 2
@@ -67,8 +80,8 @@ def format_message(message: Signal, as_json: bool) -> str:
 
 
 async def print_signals(options: SubscribeOptions, as_json: bool) -> None:
-    async with trio_asyncio.open_loop():
-        async for message in subscribe(options):
+    async with open_subscription(options) as signals:
+        async for message in signals:
             print(format_message(message, as_json), flush=True)
 
 
@@ -107,7 +120,42 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--keepalive", type=float, default=30.0, help="seconds between keepalive PINGs"
     )
+    add_arguments(sub, SUBSCRIBE_SETTINGS)
     return parser
+
+
+def subscribe_options(args: argparse.Namespace, environ: Mapping[str, str]) -> SubscribeOptions:
+    """`jobsignal subscribe`'s options from its flags and JOBSIGNAL_SUBSCRIBE_* env vars."""
+    try:
+        host, port = parse_listen(args.target)
+    except ValueError as error:
+        raise ConfigError(f"--target={args.target!r}: {error}") from None
+    tls = resolve(SUBSCRIBE_SETTINGS, vars(args), environ)
+    if not tls["tls_ca"] and any(tls.values()):
+        raise ConfigError(
+            "--tls-cert, --tls-key and --tls-server-name need --tls-ca"
+            " (a PEM CA bundle, or 'system' for the system's trust store)"
+        )
+    if bool(tls["tls_cert"]) != bool(tls["tls_key"]):
+        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+    options = SubscribeOptions(
+        host,
+        port,
+        args.role,
+        args.list,
+        args.keepalive,
+        tls=bool(tls["tls_ca"]),
+        tls_ca="" if tls["tls_ca"] == "system" else tls["tls_ca"],
+        tls_cert=tls["tls_cert"],
+        tls_key=tls["tls_key"],
+        tls_server_name=tls["tls_server_name"],
+    )
+    if options.uses_tls:
+        try:
+            client_ssl_context(options)  # unreadable files are a usage error, found now
+        except SubscribeFailed as error:
+            raise ConfigError(str(error)) from None
+    return options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,12 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             trio.run(_demo, vars(args))
         else:
             configure_logging("warning", "text")
-            try:
-                host, port = parse_listen(args.target)
-            except ValueError as error:
-                raise ConfigError(f"--target={args.target!r}: {error}") from None
-            options = SubscribeOptions(host, port, args.role, args.list, args.keepalive)
-            trio.run(print_signals, options, args.json)
+            trio.run(print_signals, subscribe_options(args, os.environ), args.json)
     except ConfigError as error:
         print(f"jobsignal: error: {error}", file=sys.stderr)
         return EXIT_USAGE

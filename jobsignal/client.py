@@ -5,11 +5,18 @@ The channel keeps the connection alive with HTTP/2 PINGs (which also count
 as heartbeats for the server's idle rule), and when a stream ends for any
 reason other than a refusal that retrying cannot fix, the client registers
 again and resubscribes after a jittered backoff.
+
+Over TLS, problems that another attempt cannot cure end the subscription with
+`SubscribeFailed`: a server certificate that does not verify, a failed
+handshake, and a server that closes the connection right after the handshake
+without a word, which is how jobsignal's mutual TLS turns down a missing or
+untrusted client certificate.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -37,6 +44,14 @@ class SubscribeFailed(Exception):
 
 @dataclass(frozen=True)
 class SubscribeOptions:
+    """Where to subscribe and how; TLS when `tls` is set or any `tls_*` file is given.
+
+    `tls_ca` is a PEM CA bundle that verifies the server (empty: the system's
+    trust store), `tls_cert` and `tls_key` a PEM client certificate and key for
+    mutual TLS, `tls_server_name` the name the server's certificate must carry
+    (empty: `host`).
+    """
+
     host: str
     port: int
     role: str
@@ -44,12 +59,103 @@ class SubscribeOptions:
     keepalive_time: float = 30.0
     backoff_initial: float = 0.8
     backoff_max: float = 30.0
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or any((self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name))
 
 
 Signal: TypeAlias = JobSummarySignal | JobSummarySignalList
 
 
-async def _open_channel(options: SubscribeOptions) -> Channel:
+def client_ssl_context(options: SubscribeOptions) -> ssl.SSLContext:
+    """The TLS context of `options`; SubscribeFailed when its files cannot be loaded."""
+    try:
+        context = ssl.create_default_context(cafile=options.tls_ca or None)
+        if options.tls_cert:
+            context.load_cert_chain(options.tls_cert, options.tls_key)
+    except (OSError, ssl.SSLError) as error:
+        files = ", ".join(f for f in (options.tls_ca, options.tls_cert, options.tls_key) if f)
+        raise SubscribeFailed(f"TLS: cannot load {files or 'the trust store'}: {error}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+def _server_name(options: SubscribeOptions) -> str:
+    return options.tls_server_name or options.host
+
+
+def _handshake_failure(options: SubscribeOptions, error: ssl.SSLError) -> str:
+    where = f"{options.host}:{options.port}"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (
+            f"TLS: the certificate of {where} does not verify as {_server_name(options)!r}"
+            f" ({error.verify_message}): check the CA bundle and the server name"
+        )
+    return f"TLS handshake with {where} failed ({error.reason or error}): does it serve TLS?"
+
+
+# How an OpenSSL handshake ends when the peer hangs up in the middle of it.
+_EOF_REASONS = frozenset({"UNEXPECTED_EOF_WHILE_READING", "EOF_OCCURRED_IN_VIOLATION_OF_PROTOCOL"})
+
+
+async def _tls_refusal(options: SubscribeOptions, context: ssl.SSLContext) -> str | None:
+    """Why a TLS connection was lost before Register answered, if retrying cannot help.
+
+    jobsignal turns down a missing or untrusted client certificate by closing
+    the connection without a TLS alert, so grpclib only reports a lost
+    connection. A fresh handshake tells that apart from a transient loss: an
+    accepted client hears the server's HTTP/2 SETTINGS at once, a refused one
+    is hung up on during or right after the handshake.
+    """
+    try:
+        with trio.fail_after(5):
+            stream = trio.SSLStream(
+                await trio.open_tcp_stream(options.host, options.port),
+                context,
+                server_hostname=_server_name(options),
+            )
+            try:
+                await stream.do_handshake()
+                heard = await stream.receive_some()
+            finally:
+                await trio.aclose_forcefully(stream)
+    except trio.BrokenResourceError as error:
+        cause = error.__cause__
+        hung_up = isinstance(cause, ssl.SSLEOFError | ConnectionError) or (
+            isinstance(cause, ssl.SSLError) and cause.reason in _EOF_REASONS
+        )
+        if not hung_up:
+            return _handshake_failure(options, cause) if isinstance(cause, ssl.SSLError) else None
+        heard = b""
+    except (OSError, trio.TooSlowError):
+        return None  # the server is down or slow: worth another attempt
+    if heard:
+        return None
+    where = f"{options.host}:{options.port}"
+    if options.tls_cert:
+        return (
+            f"TLS: {where} hung up during the handshake: it does not accept the client"
+            f" certificate {options.tls_cert} (mutual TLS: the certificate must be signed"
+            " by a CA the server trusts)"
+        )
+    return (
+        f"TLS: {where} hung up during the handshake: it requires a client certificate"
+        " (mutual TLS): give a certificate and its key"
+    )
+
+
+async def _open_channel(options: SubscribeOptions, context: ssl.SSLContext | None) -> Channel:
     # Async so it runs on the asyncio side: grpclib binds the channel to the
     # running asyncio loop when it is created.
     config = Configuration(
@@ -58,8 +164,9 @@ async def _open_channel(options: SubscribeOptions) -> Channel:
         _keepalive_permit_without_calls=True,
         _http2_max_pings_without_data=0,
         _http2_min_sent_ping_interval_without_data=options.keepalive_time,
+        ssl_target_name_override=options.tls_server_name or None,
     )
-    return Channel(options.host, options.port, config=config)
+    return Channel(options.host, options.port, ssl=context, config=config)
 
 
 async def _register(stub: JobStub, role: str) -> str:
@@ -76,11 +183,14 @@ async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
     Must run inside `trio_asyncio.open_loop()`.
     """
     backoff = Backoff(options.backoff_initial, options.backoff_max)
+    context = client_ssl_context(options) if options.uses_tls else None
     while True:
-        channel = await trio_asyncio.aio_as_trio(_open_channel)(options)
+        channel = await trio_asyncio.aio_as_trio(_open_channel)(options, context)
+        registered = False
         try:
             stub = JobStub(channel)
             client_id = await trio_asyncio.aio_as_trio(_register)(stub, options.role)
+            registered = True
             log.info("registered as %s (role %s)", client_id, options.role)
             request = ClientInfo(role=options.role, client_id=client_id)
             if options.list_mode:
@@ -95,7 +205,13 @@ async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
             if error.status in FATAL_STATUSES:
                 raise SubscribeFailed(f"{error.status.name}: {error.message}") from None
             log.warning("stream ended: %s %s", error.status.name, error.message or "")
-        except (StreamTerminatedError, OSError, ConnectionError) as error:
+        except (StreamTerminatedError, OSError) as error:  # ssl.SSLError is an OSError
+            if context is not None and not registered:
+                if isinstance(error, ssl.SSLCertVerificationError):
+                    raise SubscribeFailed(_handshake_failure(options, error)) from None
+                refusal = await _tls_refusal(options, context)
+                if refusal is not None:
+                    raise SubscribeFailed(refusal) from None
             log.warning("connection to %s:%d lost: %s", options.host, options.port, error)
         finally:
             channel.close()
@@ -112,6 +228,23 @@ async def open_subscription(options: SubscribeOptions) -> AsyncIterator[AsyncIte
             async for signal in signals:
                 ...
     """
-    # Close the generator (and its channel) while the loop still runs.
-    async with trio_asyncio.open_loop(), aclosing(subscribe(options)) as signals:
-        yield signals
+    try:
+        # Close the generator (and its channel) while the loop still runs.
+        async with trio_asyncio.open_loop(), aclosing(subscribe(options)) as signals:
+            yield signals
+    except BaseExceptionGroup as group:
+        # trio-asyncio's loop nurseries wrap whatever ends the block (SubscribeFailed,
+        # or the caller's own exception) in groups of one: hand back the exception.
+        lone = _lone_exception(group)
+        if lone is None:
+            raise
+        raise lone from None
+
+
+def _lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    while len(group.exceptions) == 1:
+        (inner,) = group.exceptions
+        if not isinstance(inner, BaseExceptionGroup):
+            return inner
+        group = inner
+    return None

@@ -3,6 +3,7 @@
 Precedence: command-line flag, then environment variable, then default. A bad
 value raises `ConfigError` with one line naming the setting, where it came
 from and what is accepted; the CLI prints it and exits with status 2.
+`SUBSCRIBE_SETTINGS` are the TLS settings of `jobsignal subscribe`, read the same way.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Setting:
     default: str
     parse: Callable[[str], Any]
     help: str
+    env_prefix: str = "JOBSIGNAL_"
 
     @property
     def flag(self) -> str:
@@ -87,7 +89,7 @@ class Setting:
 
     @property
     def env(self) -> str:
-        return "JOBSIGNAL_" + self.name.upper()
+        return self.env_prefix + self.name.upper()
 
 
 SERVE_SETTINGS: tuple[Setting, ...] = (
@@ -256,6 +258,34 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("shutdown_grace", "5", _positive_float, "seconds streams get to end on shutdown"),
     Setting("log_level", "info", _choice("debug", "info", "warning", "error"), "log level"),
     Setting("log_format", "text", _choice("text", "json"), "log format: text or json lines"),
+)
+
+
+# `jobsignal subscribe`'s TLS; env vars JOBSIGNAL_SUBSCRIBE_*, apart from serve's own files.
+_SUBSCRIBE_ENV = "JOBSIGNAL_SUBSCRIBE_"
+SUBSCRIBE_SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "tls_ca",
+        "",
+        _text,
+        "PEM CA bundle verifying the server: connect over TLS ('system': the system's trust store)",
+        _SUBSCRIBE_ENV,
+    ),
+    Setting(
+        "tls_cert",
+        "",
+        _text,
+        "PEM client certificate chain for mutual TLS (needs --tls-ca)",
+        _SUBSCRIBE_ENV,
+    ),
+    Setting("tls_key", "", _text, "PEM private key of --tls-cert", _SUBSCRIBE_ENV),
+    Setting(
+        "tls_server_name",
+        "",
+        _text,
+        "name the server's certificate must carry (default: the --target host)",
+        _SUBSCRIBE_ENV,
+    ),
 )
 
 
