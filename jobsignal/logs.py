@@ -55,34 +55,56 @@ class RateLimitedLog:
         # key -> (window start, lines written in it, lines suppressed in it)
         self._windows: dict[str, tuple[float, int, int]] = {}
 
+    def admit(self, key: str) -> tuple[bool, int]:
+        """Whether a line for `key` may be written now, and how many were
+        suppressed in the window that just ended (to be reported once)."""
+        now = self._clock()
+        start, written, suppressed = self._windows.get(key, (now, 0, 0))
+        reported = 0
+        if now - start >= self.interval:
+            reported = suppressed
+            start, written, suppressed = now, 0, 0
+        if written >= self.burst:
+            self._windows[key] = (start, written, suppressed + 1)
+            return False, reported
+        self._windows[key] = (start, written + 1, suppressed)
+        return True, reported
+
     def log(
         self, level: int, key: str, message: str, *args: object, exc_info: bool = False
     ) -> bool:
         """Log unless `key` is over its budget; True when the line was written."""
-        now = self._clock()
-        start, written, suppressed = self._windows.get(key, (now, 0, 0))
-        if now - start >= self.interval:
-            if suppressed:
-                self.logger.log(
-                    level,
-                    "%s: %d similar messages suppressed in %.0fs",
-                    key,
-                    suppressed,
-                    now - start,
-                )
-            start, written, suppressed = now, 0, 0
-        if written >= self.burst:
-            self._windows[key] = (start, written, suppressed + 1)
-            return False
-        self._windows[key] = (start, written + 1, suppressed)
-        self.logger.log(level, message, *args, exc_info=exc_info)
-        return True
+        admitted, suppressed = self.admit(key)
+        if suppressed:
+            self.logger.log(level, "%s: %d similar messages suppressed", key, suppressed)
+        if admitted:
+            self.logger.log(level, message, *args, exc_info=exc_info)
+        return admitted
 
     def warning(self, key: str, message: str, *args: object, exc_info: bool = False) -> bool:
         return self.log(logging.WARNING, key, message, *args, exc_info=exc_info)
 
     def error(self, key: str, message: str, *args: object, exc_info: bool = False) -> bool:
         return self.log(logging.ERROR, key, message, *args, exc_info=exc_info)
+
+
+class RateLimitFilter(logging.Filter):
+    """Rate-limits another library's log records, per message template.
+
+    For loggers jobsignal does not write itself (grpclib logs every failed
+    stream, with a traceback): their records stay visible, but a peer that
+    makes them fail a thousand times a second cannot flood the log.
+    """
+
+    def __init__(self, *, burst: int = 5, interval: float = 60.0) -> None:
+        super().__init__()
+        self._budget = RateLimitedLog(logging.getLogger(__name__), burst=burst, interval=interval)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        admitted, suppressed = self._budget.admit(f"{record.name}:{record.msg}")
+        if admitted and suppressed:
+            record.msg = f"{record.msg} ({suppressed} similar messages suppressed before)"
+        return admitted
 
 
 class JsonFormatter(logging.Formatter):
@@ -108,7 +130,11 @@ def configure_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # grpclib logs every cancelled or failed stream at error level with a
-    # traceback; jobsignal reports stream ends itself, one line each.
-    logging.getLogger("grpclib").setLevel(logging.CRITICAL)
+    # grpclib logs cancelled streams at info level and protocol and handler
+    # failures with tracebacks; jobsignal reports stream ends itself, so keep
+    # only grpclib's warnings and errors, rate-limited.
+    grpclib_log = logging.getLogger("grpclib")
+    grpclib_log.setLevel(logging.WARNING)
+    if not any(isinstance(f, RateLimitFilter) for f in grpclib_log.filters):
+        grpclib_log.addFilter(RateLimitFilter())
     logging.getLogger("httpx").setLevel(logging.WARNING)

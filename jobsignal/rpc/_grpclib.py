@@ -111,6 +111,21 @@ def h2_connection_of(protocol: H2Protocol) -> H2Connection:
     return h2_connection
 
 
+def live_streams(processor: EventsProcessor) -> int:
+    """Streams of this connection that grpclib accepted and HTTP/2 has not closed.
+
+    Not h2's own count, which already includes every stream opened in the same
+    read; not grpclib's, which keeps a stream the client cancelled until its
+    handler has finished (a client may open a new stream at once).
+    """
+    h2_streams = processor.connection._connection.streams
+    return sum(
+        1
+        for stream_id in processor.streams
+        if (h2_stream := h2_streams.get(stream_id)) is not None and not h2_stream.closed
+    )
+
+
 def advertise_stream_limit(h2_connection: H2Connection, advertised: int, enforced: int) -> None:
     """Tell the peer `advertised` concurrent streams; let h2 end the connection only past
     `enforced`. h2 enforces the very value it advertises, and a stream over it kills

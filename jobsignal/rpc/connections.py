@@ -288,9 +288,7 @@ class ObservedH2Protocol(H2Protocol):
     # -- events ----------------------------------------------------------------------------------
 
     def _request_received(self, event: RequestReceived) -> None:
-        # Streams this connection holds now (h2's own count already includes
-        # every stream opened in the same read).
-        if len(self.processor.streams) >= self._table.limits.max_streams_per_connection:
+        if _grpclib.live_streams(self.processor) >= self._table.limits.max_streams_per_connection:
             # Over the limit advertised in SETTINGS: refuse this stream alone
             # (clients retry a refused stream transparently).
             self._table.streams_refused += 1
