@@ -112,6 +112,9 @@ class MetricSources:
     registrations_expired: Callable[[], int]
     connections: Callable[[], int]
     ping_floods: Callable[[], int]
+    connections_closed_by_server: Callable[[], Counter[str]]
+    streams_refused: Callable[[], int]
+    rpc_handler_errors: Callable[[], Counter[str]]
     http_errors: Callable[[], Counter[str]]
     jobs: Callable[[], int]
     configmaps_rejected: Callable[[], Counter[str]]
@@ -147,6 +150,26 @@ def render(sources: MetricSources) -> str:
         "counter",
         "Connections closed with GOAWAY too_many_pings.",
         sources.ping_floods(),
+    )
+    out.family(
+        "jobsignal_connections_closed_by_server_total",
+        "counter",
+        "Connections the server closed on the peer's misbehaviour, by reason (too_many_pings,"
+        " rapid_reset, control_flood, handshake_timeout, write_stalled, protocol_error,"
+        " internal_error).",
+        [({"reason": r}, n) for r, n in sorted(sources.connections_closed_by_server().items())],
+    )
+    out.single(
+        "jobsignal_streams_refused_total",
+        "counter",
+        "HTTP/2 streams refused with REFUSED_STREAM: over the stream limit advertised in SETTINGS.",
+        sources.streams_refused(),
+    )
+    out.family(
+        "jobsignal_rpc_handler_errors_total",
+        "counter",
+        "Unexpected exceptions caught at the gRPC handler boundary (answered INTERNAL), by RPC.",
+        [({"rpc": r}, n) for r, n in sorted(sources.rpc_handler_errors().items())],
     )
     out.family(
         "jobsignal_http_errors_total",
