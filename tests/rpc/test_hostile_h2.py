@@ -12,6 +12,7 @@ a test do: ignore SETTINGS, reset streams before they start, never read.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -28,6 +29,7 @@ from grpcio_stubs import GrpcioClients
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from hyperframe.frame import (
+    ContinuationFrame,
     DataFrame,
     Frame,
     GoAwayFrame,
@@ -508,3 +510,50 @@ async def test_a_peer_that_never_reads_is_no_longer_read_then_closed(
 
 def _client_id_of(grpc_frames: bytes) -> str:
     return Status.parse(grpc_frames[5:]).client_id
+
+
+# -- header abuse ---------------------------------------------------------------------------------
+
+
+async def test_an_hpack_bomb_ends_only_its_connection() -> None:
+    """A small header block that decodes to more than the header list limit (64 KiB)."""
+    async with open_jobsignal_server() as server:
+        async with raw_peer(server.port) as peer:
+            await peer.handshake()
+            big = "x" * 4000
+            # One literal added to the dynamic table, then many 1-byte references to it.
+            first = [*grpc_request_headers(server.port), ("bomb", big)]
+            frame = peer.headers_frame(1, first)
+            frame.data += bytes([0xBE]) * 100  # indexed field 62: the "bomb" entry
+            await peer.send(frame)
+            await peer.read_until(lambda p: False)
+            assert peer.closed
+            code, _ = goaway_of(peer)
+            # h2 answers an oversized header list with ENHANCE_YOUR_CALM.
+            assert code == ErrorCodes.ENHANCE_YOUR_CALM
+            assert server.connections.closed_by_server["protocol_error"] == 1
+        await wait_until(lambda: len(server.connections) == 0, within=WAIT)
+        # The server goes on serving.
+        async with raw_peer(server.port) as peer:
+            await peer.handshake()
+            await peer.send(
+                peer.headers_frame(1, grpc_request_headers(server.port)),
+                DataFrame(1, register_body(), flags=["END_STREAM"]),
+            )
+            await peer.read_until(lambda p: 1 in p.ended_streams())
+            assert dict(peer.headers[1]).get("grpc-status") == "0"
+
+
+async def test_a_continuation_flood_ends_only_its_connection() -> None:
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await peer.handshake()
+        headers = peer.headers_frame(1, grpc_request_headers(server.port))
+        headers.flags.discard("END_HEADERS")
+        continuations = [ContinuationFrame(1, b"") for _ in range(1000)]
+        with contextlib.suppress(trio.BrokenResourceError):
+            await peer.send(headers, *continuations)
+        await peer.read_until(lambda p: False)
+        assert peer.closed
+        code, _ = goaway_of(peer)
+        assert code == ErrorCodes.PROTOCOL_ERROR
+        assert server.connections.closed_by_server["protocol_error"] == 1
