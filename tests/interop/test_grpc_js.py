@@ -67,6 +67,26 @@ async def test_list_stream_starts_with_the_snapshot(js_peer: list[str]) -> None:
     assert_signals(peer, jobs, uuids)
 
 
+async def test_shutdown_ends_the_stream_and_sends_goaway(js_peer: list[str]) -> None:
+    async with open_jobsignal_server() as server:
+        target = server.target
+        async with (
+            running(js(js_peer, "subscribe", target)) as streaming,
+            running(js(js_peer, "register", target, role="DefaultUser2", hold_ms=20_000)) as bare,
+        ):
+            await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=10)
+            await bare.wait_for(lambda p: bool(p.of("registered")), within=10, what="Register")
+            await server.stop()
+            await streaming.wait_exit()
+            await bare.wait_for(lambda p: bool(p.goaways()), within=5, what="GOAWAY")
+    end = streaming.end()
+    assert (end["code"], end["message"]) == (
+        code(grpc.StatusCode.UNAVAILABLE),
+        "server shutting down",
+    ), streaming.describe()
+    assert bare.goaways()[0]["code"] == 0  # NO_ERROR: the relay sees what the server sends
+
+
 HOLD = 14.0  # past the fourth 3 s ping: a 4 s policy would have sent GOAWAY by now
 
 

@@ -206,12 +206,15 @@ async function main() {
         resolve();
       }
     });
+    // grpc-js may emit 'end' after 'error': the first of them is the status.
     call.on('error', (error) => {
       if (!done) emitEnd(rpc, error);
+      done = true;
       resolve();
     });
     call.on('end', () => {
       if (!done) emitEnd(rpc, null);
+      done = true;
       resolve();
     });
   });
