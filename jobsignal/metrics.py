@@ -40,6 +40,10 @@ class FanoutStats:
     messages_delivered: int = 0
     coalesced: int = 0
     rank_tables_stripped: int = 0
+    # Batches written straight from the subscriber's trio task, and batches that
+    # had to wait for HTTP/2 (flow control, a full socket) through asyncio.
+    batches_written_at_once: int = 0
+    batches_written_waiting: int = 0
     # Job events that could not be encoded or queued, by where it failed.
     events_dropped: Counter[str] = field(default_factory=Counter)
     stream_ends: Counter[str] = field(default_factory=Counter)
@@ -214,6 +218,16 @@ def render(sources: MetricSources) -> str:
         "counter",
         "Job events dropped because encoding or queueing them failed (a bug: logged), by step.",
         [({"reason": reason}, count) for reason, count in sorted(fanout.events_dropped.items())],
+    )
+    out.family(
+        "jobsignal_write_batches_total",
+        "counter",
+        "Batches of messages written to client streams: at once from the subscriber's task,"
+        " or after waiting for HTTP/2 flow control or the socket.",
+        [
+            ({"path": "at_once"}, fanout.batches_written_at_once),
+            ({"path": "waiting"}, fanout.batches_written_waiting),
+        ],
     )
     out.family(
         "jobsignal_stream_ends_total",

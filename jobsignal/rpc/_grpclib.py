@@ -39,6 +39,7 @@ from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from h2.connection import H2Connection
 from h2.events import Event, RequestReceived, StreamReset
+from h2.exceptions import StreamClosedError
 from h2.settings import SettingCodes
 
 PINNED_GRPCLIB = "0.4.9"
@@ -157,6 +158,64 @@ def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) ->
 
     setattr(h2_connection, "send_data", noted_send_data)  # noqa: B010
     setattr(h2_connection, "send_headers", noted_send_headers)  # noqa: B010
+
+
+# -- reading requests and writing responses on a server stream ----------------------------------
+
+
+def request_codec(stream: ServerStream) -> Any:
+    """The server's codec, as grpclib handed it to this stream."""
+    return stream._codec
+
+
+async def receive(stream: ServerStream, size: int) -> bytes | None:
+    """Up to `size` bytes of the request body: fewer when the stream ended before any of
+    them, None when it ended part-way (grpclib's buffer asserts in that case)."""
+    try:
+        data: bytes = await stream._stream.recv_data(size)
+    except AssertionError:
+        return None
+    return data
+
+
+def try_send_now(stream: ServerStream, data: bytes) -> bool:
+    """Send `data` on the stream at once if HTTP/2 lets it go without waiting; else False.
+
+    The common case (headers sent, socket writable, flow-control window open)
+    needs no asyncio at all: grpclib's HTTP/2 state and the transport are
+    plain objects on this same thread, so a trio task writes directly.
+    """
+    h2_stream = stream._stream
+    connection = h2_stream.connection
+    if (
+        not stream._send_initial_metadata_done
+        or not connection.write_ready.is_set()
+        or connection.is_closing()
+    ):
+        return False
+    stream_id = h2_stream.id
+    assert stream_id is not None  # set when the request arrived
+    h2_connection = h2_stream._h2_connection
+    try:
+        if h2_connection.local_flow_control_window(stream_id) < len(data):
+            return False
+        frame_size = h2_connection.max_outbound_frame_size
+        for start in range(0, len(data), frame_size):
+            h2_connection.send_data(stream_id, data[start : start + frame_size])
+    except StreamClosedError:
+        return False
+    h2_stream._transport.write(h2_connection.data_to_send())
+    connection.data_send_process()
+    return True
+
+
+async def send_waiting(stream: ServerStream, data: bytes) -> None:
+    """Send `data` on the stream, waiting for flow control as needed (grpclib splits it by
+    window and frame size); sends the response headers first if they are not sent yet."""
+    if not stream._send_initial_metadata_done:
+        await stream.send_initial_metadata()
+    await stream._stream.send_data(data)
+    stream._send_message_done = True
 
 
 # -- grpclib's event processing ------------------------------------------------------------------

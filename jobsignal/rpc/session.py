@@ -138,7 +138,10 @@ async def serve_subscription(
             with idle.scope:
                 while True:
                     frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
-                    if not send_now(frames):
+                    if send_now(frames):
+                        broadcaster.stats.batches_written_at_once += 1
+                    else:
+                        broadcaster.stats.batches_written_waiting += 1
                         with trio.move_on_after(settings.send_timeout) as send_scope:
                             await send_frames(frames)
                         if send_scope.cancelled_caught:

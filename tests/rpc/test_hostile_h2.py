@@ -509,7 +509,8 @@ async def test_a_peer_that_never_reads_is_no_longer_read_then_closed(
 
 
 def _client_id_of(grpc_frames: bytes) -> str:
-    return Status.parse(grpc_frames[5:]).client_id
+    client_id: str = Status.parse(grpc_frames[5:]).client_id
+    return client_id
 
 
 # -- header abuse ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ grpcio-reflection out of process (see tests/grpcio_stubs.py for why).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -472,3 +473,23 @@ async def test_graceful_shutdown_tells_every_stream_why(grpc_clients: GrpcioClie
     expected = (grpc.StatusCode.UNAVAILABLE, "server shutting down")
     wrong = [end for end in ends if end != expected]
     assert not wrong, f"{len(wrong)} of {len(ends)} streams ended otherwise, e.g. {wrong[0]}"
+
+
+def received(stream: StreamCollector, count: int) -> bool:
+    return len(stream.messages) == count
+
+
+async def test_ordinary_deliveries_take_the_direct_write_path(grpc_clients: GrpcioClients) -> None:
+    """The hop-free path in rpc.writer is what carries small events to a reading client."""
+    async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
+        client = grpc_clients.connect(server.target)
+        client_id = await in_thread(client.register_id, "CCAgent")
+        stream = StreamCollector(client.subscribe("CCAgent", client_id)).start(nursery)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+        for i in range(20):
+            server.broadcaster.publish([make_job(i)])
+            await wait_until(functools.partial(received, stream, i + 1))
+        stats = server.broadcaster.stats
+        # The first batch waits for the response headers; the rest go at once.
+        assert stats.batches_written_at_once >= 15, stats
+        assert stats.batches_written_at_once + stats.batches_written_waiting >= 20
