@@ -70,6 +70,14 @@ def _run(argv: list[str], env: dict[str, str], what: str) -> None:
         )
 
 
+def _go_cache(build_dir: Path) -> Path:
+    """The user's Go build cache (rebuilds take a second), or one in `build_dir`."""
+    home = Path.home()
+    if os.access(home, os.W_OK):
+        return home / ".cache" / "go-build"
+    return build_dir / "go-cache"
+
+
 def build_go_peer(build_dir: Path) -> Path:
     """Generate the Go stubs, build the peer, return the binary's path."""
     missing = missing_go_packages()
@@ -87,7 +95,7 @@ def build_go_peer(build_dir: Path) -> Path:
         "GO111MODULE": "off",
         "GOPATH": f"{build_dir}:{GOCODE.parent}",
         "GOFLAGS": "",
-        "GOCACHE": os.environ.get("GOCACHE") or str(Path.home() / ".cache" / "go-build"),
+        "GOCACHE": os.environ.get("GOCACHE") or str(_go_cache(build_dir)),
     }
     # The proto's own go_package ("/job", ClusterD's) is no import path: map it.
     mapping = f"paths=source_relative,Mjob/job.proto={GO_IMPORT_ROOT}/job"

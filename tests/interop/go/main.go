@@ -29,7 +29,6 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
-	"io/ioutil"
 	"net"
 	"os"
 	"sync"
@@ -284,7 +283,7 @@ func dialOptions(o options) ([]grpc.DialOption, error) {
 	var dial []grpc.DialOption
 	if o.tlsCA != "" {
 		config := &tls.Config{ServerName: o.serverName, RootCAs: x509.NewCertPool()}
-		pem, err := ioutil.ReadFile(o.tlsCA)
+		pem, err := os.ReadFile(o.tlsCA)
 		if err != nil {
 			return nil, err
 		}
