@@ -228,15 +228,44 @@ async def _freeze_after_first_list(status: SourceStatus) -> None:
     gc.freeze()
 
 
-async def _handle_signals(shutdown: trio.Event, cancel_scope: trio.CancelScope) -> None:
+async def _handle_signals(
+    shutdown: trio.Event, draining: trio.Event, drain_delay: float, cancel_scope: trio.CancelScope
+) -> None:
+    """First signal: drain, then shut down gracefully; second: shut down at once; third: stop."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            if shutdown.is_set():
-                log.warning("second %s: stopping now", signal.Signals(signum).name)
-                cancel_scope.cancel()
-                return
-            log.info("%s: shutting down gracefully", signal.Signals(signum).name)
-            shutdown.set()
+        async with trio.open_nursery() as nursery:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if shutdown.is_set():
+                    log.warning("another %s: stopping now", name)
+                    cancel_scope.cancel()
+                    return
+                if draining.is_set():
+                    log.warning("another %s: shutting down without waiting for the drain", name)
+                    shutdown.set()
+                    continue
+                log.info(
+                    "%s: draining for %gs (health NOT_SERVING, /readyz 503, live streams served),"
+                    " then shutting down gracefully",
+                    name,
+                    drain_delay,
+                )
+                draining.set()
+                nursery.start_soon(_shut_down_after, drain_delay, shutdown)
+
+
+async def _shut_down_after(delay: float, shutdown: trio.Event) -> None:
+    await trio.sleep(delay)
+    shutdown.set()
+
+
+def readiness(status: SourceStatus, draining: trio.Event) -> str | None:
+    """Why the server should get no new clients now, or None when it should."""
+    if draining.is_set():
+        return "shutting down"
+    if not status.ready.is_set():
+        return "the job store is not loaded yet (first LIST pending)"
+    return None
 
 
 async def run_jobsignal(
@@ -264,11 +293,19 @@ async def run_jobsignal(
         max_message_bytes=config.max_send_bytes,
     )
     registry = registry_for(config)
+    draining = trio.Event()
     async with trio.open_nursery() as nursery:
         if handle_signals:
-            nursery.start_soon(_handle_signals, shutdown, nursery.cancel_scope)
+            nursery.start_soon(
+                _handle_signals, shutdown, draining, config.drain_delay, nursery.cancel_scope
+            )
         server: RunningServer = await nursery.start(
-            run_grpc_server, settings, broadcaster, registry, status, shutdown
+            partial(run_grpc_server, draining=draining),
+            settings,
+            broadcaster,
+            registry,
+            status,
+            shutdown,
         )
         watcher: Watcher = await nursery.start(
             run_source, config, connection, store, broadcaster, status
@@ -281,7 +318,11 @@ async def run_jobsignal(
             )
             host, port = config.metrics_listen
             metrics_port = await nursery.start(
-                partial(run_metrics_server, stats=http_stats),
+                partial(
+                    run_metrics_server,
+                    stats=http_stats,
+                    readiness=partial(readiness, status, draining),
+                ),
                 host,
                 port,
                 partial(render, sources),

@@ -86,7 +86,8 @@ async def print_signals(options: SubscribeOptions, as_json: bool) -> None:
 
 
 async def _demo(config_flags: dict[str, str | None]) -> None:
-    config = load_config({**config_flags, "source": "demo"}, os.environ)
+    # No load balancer sends clients to a demo: Ctrl-C stops it without a drain.
+    config = load_config({**config_flags, "source": "demo", "drain_delay": "0"}, os.environ)
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
             lambda task_status: run_jobsignal(config, handle_signals=True, task_status=task_status)

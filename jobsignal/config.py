@@ -28,6 +28,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError("must be zero or a positive number of seconds")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -255,6 +265,13 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("register_burst", "200", _positive_int, "Register calls allowed in a burst"),
     Setting("subscribe_rate", "100", _positive_float, "Subscribe calls per second per address"),
     Setting("subscribe_burst", "200", _positive_int, "Subscribe calls allowed in a burst"),
+    Setting(
+        "drain_delay",
+        "5",
+        _non_negative_float,
+        "on SIGTERM/SIGINT, seconds of health NOT_SERVING and /readyz 503 while live streams"
+        " are still served, so load balancers stop sending new clients, before the shutdown",
+    ),
     Setting("shutdown_grace", "5", _positive_float, "seconds streams get to end on shutdown"),
     Setting("log_level", "info", _choice("debug", "info", "warning", "error"), "log level"),
     Setting("log_format", "text", _choice("text", "json"), "log format: text or json lines"),
@@ -333,6 +350,7 @@ class Config:
     register_burst: int
     subscribe_rate: float
     subscribe_burst: int
+    drain_delay: float
     shutdown_grace: float
     log_level: str
     log_format: str

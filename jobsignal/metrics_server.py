@@ -1,4 +1,4 @@
-"""The metrics HTTP endpoint: GET or HEAD /metrics and /healthz, nothing else.
+"""The metrics HTTP endpoint: GET or HEAD /metrics, /healthz, /livez and /readyz.
 
 HTTP/1.1 over trio with h11; one short request per connection is all a
 scraper needs, so connections are closed after each response and each one is
@@ -62,16 +62,31 @@ class Reply:
     headers: tuple[tuple[str, str], ...] = ()
 
 
-def route(method: bytes, target: bytes, render: Callable[[], str]) -> Reply:
+Readiness = Callable[[], str | None]
+
+
+def _always_ready() -> str | None:
+    return None
+
+
+def route(
+    method: bytes, target: bytes, render: Callable[[], str], readiness: Readiness = _always_ready
+) -> Reply:
     """The reply to one request (for HEAD, the body is computed and not sent)."""
     if method not in (b"GET", b"HEAD"):
         return Reply(405, b"only GET and HEAD\n", (("allow", ALLOWED_METHODS),))
     path = target.split(b"?")[0]
     if path == b"/metrics":
         return Reply(200, render().encode())
-    if path == b"/healthz":
+    if path in (b"/healthz", b"/livez"):
+        # The process answers: its event loop runs.
         return Reply(200, b"ok\n")
-    return Reply(404, b"try /metrics\n")
+    if path == b"/readyz":
+        reason = readiness()
+        if reason is None:
+            return Reply(200, b"ok\n")
+        return Reply(503, f"not ready: {reason}\n".encode())
+    return Reply(404, b"try /metrics, /readyz or /livez\n")
 
 
 def _response(conn: h11.Connection, reply: Reply, *, with_body: bool) -> bytes:
@@ -129,7 +144,7 @@ class _Connection:
             else:  # nothing else can come before a request; h11 would have raised
                 raise AssertionError(f"unexpected HTTP event before a request: {event!r}")
 
-    async def exchange(self, render: Callable[[], str]) -> None:
+    async def exchange(self, render: Callable[[], str], readiness: Readiness) -> None:
         with trio.move_on_after(CONNECTION_TIMEOUT) as deadline:
             try:
                 request = await self.read_request()
@@ -142,7 +157,7 @@ class _Connection:
                 return
             if request is None:
                 return
-            reply = route(request.method, request.target, render)
+            reply = route(request.method, request.target, render, readiness)
             await self.send(reply, with_body=request.method != b"HEAD")
         if deadline.cancelled_caught:
             self.fault("timeout", f"no complete exchange within {CONNECTION_TIMEOUT:g}s")
@@ -181,12 +196,15 @@ def _peer_of(stream: trio.SocketStream) -> str:
 
 
 async def serve_connection(
-    stream: trio.SocketStream, render: Callable[[], str], stats: HttpStats
+    stream: trio.SocketStream,
+    render: Callable[[], str],
+    stats: HttpStats,
+    readiness: Readiness = _always_ready,
 ) -> None:
     """Answer one request on `stream`; raises nothing but cancellation."""
     connection = _Connection(stream, stats)
     try:
-        await connection.exchange(render)
+        await connection.exchange(render, readiness)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the client went away: nothing to answer, nothing wrong with us
     except Exception:
@@ -208,9 +226,13 @@ async def run_metrics_server(
     render: Callable[[], str],
     *,
     stats: HttpStats | None = None,
+    readiness: Readiness = _always_ready,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve metrics until cancelled; reports the bound port once listening."""
+    """Serve metrics until cancelled; reports the bound port once listening.
+
+    `/readyz` answers 503 with the reason while `readiness()` gives one.
+    """
     stats = HttpStats() if stats is None else stats
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()[1]
@@ -218,6 +240,6 @@ async def run_metrics_server(
     task_status.started(bound)
 
     async def handler(stream: trio.SocketStream) -> None:
-        await serve_connection(stream, render, stats)
+        await serve_connection(stream, render, stats, readiness)
 
     await trio.serve_listeners(handler, listeners)

@@ -97,17 +97,31 @@ class _HealthName:
 SOURCE_HEALTH_NAME = "jobsignal.KubernetesSync"
 
 
-async def _track_health(status: SourceStatus, ready: ServiceStatus, synced: ServiceStatus) -> None:
-    """Overall and job.Job: SERVING once the first LIST is loaded; the source entry
-    additionally turns NOT_SERVING while the Kubernetes API is out of reach."""
+async def _track_health(
+    status: SourceStatus, ready: ServiceStatus, synced: ServiceStatus, draining: trio.Event
+) -> None:
+    """Overall and job.Job: SERVING once the first LIST is loaded, NOT_SERVING again
+    from the moment the server drains (so new clients go to another replica); the
+    source entry additionally turns NOT_SERVING while the Kubernetes API is out of reach."""
     ready.set(False)
     synced.set(False)
-    await status.ready.wait()
-    ready.set(True)
-    log.info("ready: job store loaded, health SERVING")
-    while True:
-        synced.set(status.in_sync)
-        await status.wait_changed()
+    async with trio.open_nursery() as nursery:
+
+        async def serving_until_drained() -> None:
+            await status.ready.wait()
+            if draining.is_set():
+                return
+            ready.set(True)
+            log.info("ready: job store loaded, health SERVING")
+            await draining.wait()
+            ready.set(False)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(serving_until_drained)
+        await status.ready.wait()
+        while True:
+            synced.set(status.in_sync)
+            await status.wait_changed()
 
 
 async def run_grpc_server(
@@ -117,8 +131,11 @@ async def run_grpc_server(
     status: SourceStatus,
     shutdown: trio.Event,
     *,
+    draining: trio.Event | None = None,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """Serve until `shutdown`; health turns NOT_SERVING when `draining` (or `shutdown`) is set."""
+    draining = trio.Event() if draining is None else draining
     connections = ConnectionTable(settings.ping_policy, settings.limits, settings.protocol_limits)
     service = JobService(
         registry=registry,
@@ -156,7 +173,7 @@ async def run_grpc_server(
             ssl_handshake_timeout=settings.protocol_limits.handshake_timeout,
         )
         bound = listener.sockets[0].getsockname()
-        nursery.start_soon(_track_health, status, ready_health, source_health)
+        nursery.start_soon(_track_health, status, ready_health, source_health, draining)
         if tls is None:
             log.warning(
                 "gRPC listening on %s:%d in PLAIN TEXT (as ClusterD does); set --tls-cert"
@@ -174,6 +191,7 @@ async def run_grpc_server(
         task_status.started(running)
         try:
             await shutdown.wait()
+            draining.set()
         finally:
             with trio.CancelScope(shield=True):
                 await _stop(server, service, broadcaster, connections, settings.shutdown_grace)
