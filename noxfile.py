@@ -1,6 +1,7 @@
 """Developer and CI sessions: tests, lint, typecheck, and protobuf code generation.
 
-`nox` with no arguments runs what CI runs: tests and typecheck on every
+`nox` with no arguments runs what CI runs: peers (the interop tests' grpc-go
+and grpc-js clients, see .ci/install-peers), tests and typecheck on every
 supported Python (3.11, 3.12, 3.13), lint and protos_check once. A missing
 interpreter fails the run; `nox --force-python 3.12` runs every session on one.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests", "lint", "typecheck", "protos_check"]
+nox.options.sessions = ["peers", "tests", "lint", "typecheck", "protos_check"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
