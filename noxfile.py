@@ -90,6 +90,12 @@ def _tree_differs(left: Path, right: Path) -> list[str]:
     return problems
 
 
+@nox.session(python=False)
+def peers(session: nox.Session) -> None:
+    """Install the interop tests' grpc-go and grpc-js clients (apt-get as root, npm ci)."""
+    session.run(str(ROOT / ".ci" / "install-peers"), external=True)
+
+
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     """Run the whole test suite (unit, integration over loopback, grpcio interop)."""
@@ -141,9 +147,3 @@ def bench(session: nox.Session) -> None:
     """
     session.install("-e", ".[test]", "matplotlib")
     session.run("python", "-m", "bench", *session.posargs)
-
-
-@nox.session(python=False)
-def peers(session: nox.Session) -> None:
-    """Install the interop tests' grpc-go and grpc-js clients (apt-get as root, npm ci)."""
-    session.run(str(ROOT / ".ci" / "install-peers"), external=True)
