@@ -178,12 +178,15 @@ async def receive(stream: ServerStream, size: int) -> bytes | None:
     return data
 
 
-def try_send_now(stream: ServerStream, data: bytes) -> bool:
-    """Send `data` on the stream at once if HTTP/2 lets it go without waiting; else False.
+def try_send_now(stream: ServerStream, data: bytes, flush: Callable[[], None]) -> bool:
+    """Queue `data` on the stream at once if HTTP/2 lets it go without waiting; else False.
 
     The common case (headers sent, socket writable, flow-control window open)
-    needs no asyncio at all: grpclib's HTTP/2 state and the transport are
-    plain objects on this same thread, so a trio task writes directly.
+    needs no asyncio at all: grpclib's HTTP/2 state is plain objects on this
+    same thread, so a trio task frames the data directly. h2 keeps the frames
+    (and its flow-control windows already count them); `flush` is asked to
+    write the connection's output, which it may do once for every stream that
+    wrote in the same loop turn.
     """
     h2_stream = stream._stream
     connection = h2_stream.connection
@@ -204,8 +207,8 @@ def try_send_now(stream: ServerStream, data: bytes) -> bool:
             h2_connection.send_data(stream_id, data[start : start + frame_size])
     except StreamClosedError:
         return False
-    h2_stream._transport.write(h2_connection.data_to_send())
     connection.data_send_process()
+    flush()
     return True
 
 

@@ -100,8 +100,11 @@ class ConnectionTable:
     def protocols(self) -> list[ObservedH2Protocol]:
         return list(self._protocols.values())
 
+    def protocol_of(self, stream: grpclib.server.Stream[Any, Any]) -> ObservedH2Protocol:
+        return self._protocols[_grpclib.connection_of(stream)]
+
     def activity_of(self, stream: grpclib.server.Stream[Any, Any]) -> ConnectionActivity:
-        return self._protocols[_grpclib.connection_of(stream)].activity
+        return self.protocol_of(stream).activity
 
     def close_if_unused(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         """Close the stream's connection once no other stream uses it.
@@ -118,8 +121,35 @@ class ConnectionTable:
             protocol.goaway(ErrorCodes.NO_ERROR, b"shutdown")
 
 
+class OutputFlusher:
+    """Writes a connection's queued HTTP/2 frames once per event-loop turn.
+
+    Every stream that writes in the same turn shares the one system call (a
+    publish to many subscribers of one connection is one write). It holds
+    grpclib's Connection, not the protocol, so finished streams that still
+    reference it keep no protocol alive.
+    """
+
+    __slots__ = ("_connection", "_scheduled")
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._scheduled = False
+
+    def schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if not self._connection.is_closing():
+            self._connection.flush()
+
+
 class ObservedH2Protocol(H2Protocol):
     activity: ConnectionActivity
+    output: OutputFlusher
 
     def __init__(self, base: H2Protocol, table: ConnectionTable) -> None:
         super().__init__(base.handler, base.config, base.h2_config)
@@ -144,6 +174,7 @@ class ObservedH2Protocol(H2Protocol):
         self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.activity = ConnectionActivity(self._table.ping_policy, self.peer, self.ip)
+        self.output = OutputFlusher(self.connection)
         self.budget = ConnectionBudget(self._limits, trio.current_time())
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(

@@ -195,8 +195,10 @@ class JobService:
 
     async def _serve_stream(self, kind: StreamKind, stream: Stream, request: ClientInfo) -> None:
         activity = self.connections.activity_of(stream)
+        # Not the protocol itself: grpclib keeps finished handlers for a while.
+        output = self.connections.protocol_of(stream).output
         send_frames = functools.partial(trio_asyncio.aio_as_trio(write_frames), stream)
-        send_now = functools.partial(write_frames_now, stream)
+        send_now = functools.partial(write_frames_now, stream, output.schedule)
         end = await trio_asyncio.trio_as_aio(
             functools.partial(
                 serve_subscription,

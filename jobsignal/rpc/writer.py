@@ -9,6 +9,7 @@ for everything else. The HTTP/2 internals both need are in `rpc._grpclib`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpclib.server
@@ -27,13 +28,15 @@ def _frame(frames: list[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def write_frames_now(stream: Stream, frames: list[bytes]) -> bool:
+def write_frames_now(stream: Stream, flush: Callable[[], None], frames: list[bytes]) -> bool:
     """Write a batch without waiting, if HTTP/2 lets it go at once; else False.
 
     Skips the trio->asyncio hop that dominates the cost of small batches;
     anything that would have to wait goes through `write_frames` instead.
+    `flush` writes the connection's output (once per loop turn for all its
+    streams: `OutputFlusher.schedule`).
     """
-    return _grpclib.try_send_now(stream, _frame(frames))
+    return _grpclib.try_send_now(stream, _frame(frames), flush)
 
 
 async def write_frames(stream: Stream, frames: list[bytes]) -> None:

@@ -493,3 +493,40 @@ async def test_ordinary_deliveries_take_the_direct_write_path(grpc_clients: Grpc
         # The first batch waits for the response headers; the rest go at once.
         assert stats.batches_written_at_once >= 15, stats
         assert stats.batches_written_at_once + stats.batches_written_waiting >= 20
+
+
+async def test_a_publish_to_many_streams_of_one_connection_is_one_write(
+    grpc_clients: GrpcioClients,
+) -> None:
+    streams = 10
+    async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
+        client = grpc_clients.connect(server.target)  # one channel: one HTTP/2 connection
+        collectors = []
+        for _ in range(streams):
+            client_id = await in_thread(client.register_id, "CCAgent")
+            collectors.append(
+                StreamCollector(client.subscribe("CCAgent", client_id)).start(nursery)
+            )
+        await wait_until(lambda: len(server.broadcaster.subscribers) == streams)
+        server.broadcaster.publish([make_job(0)])  # the response headers go out first
+        await wait_until(lambda: all(len(c.messages) == 1 for c in collectors))
+        (protocol,) = server.connections.protocols()
+        transport = protocol.connection._transport
+        writes: list[int] = []
+        write = transport.write
+
+        def counted_write(data: bytes) -> None:
+            writes.append(len(data))
+            write(data)
+
+        transport.write = counted_write
+        for index in range(1, 6):
+            server.broadcaster.publish([make_job(index)])
+            await wait_until(functools.partial(all_received, collectors, index + 1))
+        # 5 events to 10 streams: 50 messages, in about one write per event.
+        assert server.broadcaster.stats.batches_written_at_once >= 40
+        assert len(writes) <= 10, writes
+
+
+def all_received(collectors: list[StreamCollector], count: int) -> bool:
+    return all(len(c.messages) == count for c in collectors)
