@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpclib
@@ -63,39 +64,40 @@ def install() -> None:
 
 async def start_server(
     server: grpclib.server.Server,
-    host: str,
-    port: int,
+    addresses: Sequence[tuple[str, int]],
     *,
-    family: int,
     backlog: int,
     ssl: Any,
     ssl_handshake_timeout: float | None,
-) -> asyncio.Server:
-    """`Server.start`, plus what it does not pass on: a TLS handshake timeout.
+) -> list[asyncio.Server]:
+    """`Server.start` on each address, plus what it does not pass on: a TLS handshake
+    timeout. Host "" means every address of the host (IPv4 and IPv6 where it has both).
 
     asyncio calls the protocol's `connection_made` only once TLS is set up, so
     a peer that never finishes the TLS handshake is bounded here, not there.
+    grpclib knows the first listener only; the caller closes the others.
     """
     loop = asyncio.get_running_loop()
-    listener = await loop.create_server(
-        server._protocol_factory,
-        host,
-        port,
-        family=family,
-        backlog=backlog,
-        ssl=ssl,
-        ssl_handshake_timeout=ssl_handshake_timeout if ssl is not None else None,
-        reuse_address=True,
-    )
-    server._server = listener
+    listeners = []
+    for host, port in addresses:
+        family = (
+            socket.AF_UNSPEC if not host else (socket.AF_INET6 if ":" in host else socket.AF_INET)
+        )
+        listeners.append(
+            await loop.create_server(
+                server._protocol_factory,
+                host or None,
+                port,
+                family=family,
+                backlog=backlog,
+                ssl=ssl,
+                ssl_handshake_timeout=ssl_handshake_timeout if ssl is not None else None,
+                reuse_address=True,
+            )
+        )
+    server._server = listeners[0]
     server._server_closed_fut = loop.create_future()
-    return listener
-
-
-def listener_of(server: grpclib.server.Server) -> asyncio.Server:
-    listener = server._server
-    assert isinstance(listener, asyncio.Server), "the server is not started"
-    return listener
+    return listeners
 
 
 # -- connections and streams ---------------------------------------------------------------------

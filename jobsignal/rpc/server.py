@@ -9,8 +9,8 @@ flush, close the server, then close any connection still open.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = "0.0.0.0"
+    # The first address; `more_addresses` are served too (host "": every address).
+    host: str = ""
     port: int = 8899
+    more_addresses: tuple[tuple[str, int], ...] = ()
     session: SessionSettings = field(default_factory=SessionSettings)
     ping_policy: PingPolicy = field(default_factory=PingPolicy)
     keepalive_time: float = 60.0
@@ -65,6 +67,8 @@ class RunningServer:
 
     host: str
     port: int
+    # Every bound (host, port), one per listening socket.
+    addresses: list[tuple[str, int]]
     connections: ConnectionTable
     registry: Registry
     stopped: trio.Event
@@ -162,31 +166,34 @@ async def run_grpc_server(
             config=_grpclib_config(settings),
             connections=connections,
         )
-        listener = await trio_asyncio.aio_as_trio(_grpclib.start_server)(
+        listeners = await trio_asyncio.aio_as_trio(_grpclib.start_server)(
             server,
-            settings.host,
-            settings.port,
-            family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
+            [(settings.host, settings.port), *settings.more_addresses],
             backlog=settings.backlog,
             ssl=tls.listening_context if tls is not None else None,
             # Peers that never finish the TLS handshake hold a connection too.
             ssl_handshake_timeout=settings.protocol_limits.handshake_timeout,
         )
-        bound = listener.sockets[0].getsockname()
+        addresses = [
+            (str(name[0]), int(name[1]))
+            for listener in listeners
+            for name in (sock.getsockname() for sock in listener.sockets)
+        ]
+        shown = ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in addresses)
         nursery.start_soon(_track_health, status, ready_health, source_health, draining)
         if tls is None:
             log.warning(
-                "gRPC listening on %s:%d in PLAIN TEXT (as ClusterD does); set --tls-cert"
+                "gRPC listening on %s in PLAIN TEXT (as ClusterD does); set --tls-cert"
                 " and --tls-key for TLS, plus --tls-client-ca for mutual TLS",
-                bound[0],
-                bound[1],
+                shown,
             )
         else:
             mode = "mutual TLS" if tls.files.mutual else "TLS"
-            log.info("gRPC listening on %s:%d with %s", bound[0], bound[1], mode)
+            log.info("gRPC listening on %s with %s", shown, mode)
             nursery.start_soon(tls.run_reloader, settings.tls_reload_interval)
+        host, port = addresses[0]
         running = RunningServer(
-            bound[0], bound[1], connections, registry, trio.Event(), service.handler_errors
+            host, port, addresses, connections, registry, trio.Event(), service.handler_errors
         )
         task_status.started(running)
         try:
@@ -194,20 +201,24 @@ async def run_grpc_server(
             draining.set()
         finally:
             with trio.CancelScope(shield=True):
-                await _stop(server, service, broadcaster, connections, settings.shutdown_grace)
+                await _stop(
+                    server, listeners, service, broadcaster, connections, settings.shutdown_grace
+                )
             nursery.cancel_scope.cancel()
             running.stopped.set()
 
 
 async def _stop(
     server: JobsignalServer,
+    listeners: list[asyncio.Server],
     service: JobService,
     broadcaster: Broadcaster,
     connections: ConnectionTable,
     grace: float,
 ) -> None:
     log.info("shutting down: ending %d streams", len(broadcaster.subscribers))
-    _grpclib.listener_of(server).close()  # stop accepting; connections stay for the trailers
+    for listener in listeners:
+        listener.close()  # stop accepting; live connections stay for the trailers
     broadcaster.end_all(EndReason.SHUTDOWN)
     deadline = trio.current_time() + grace  # the whole stop fits in the grace period
     with trio.move_on_at(deadline):
@@ -218,4 +229,6 @@ async def _stop(
     connections.close_all()
     with trio.move_on_at(deadline):
         await trio_asyncio.aio_as_trio(server.wait_closed)()
+        for listener in listeners[1:]:  # grpclib waits for the first only
+            await trio_asyncio.aio_as_trio(listener.wait_closed)()
     log.info("gRPC server stopped")
