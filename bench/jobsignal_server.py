@@ -21,6 +21,7 @@ import itertools
 import os
 import ssl
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -43,7 +44,9 @@ from bench.events import latency_ns, make_jobs, stamped
 from jobsignal.app import run_source
 from jobsignal.config import load_config
 from jobsignal.fanout import Broadcaster, Subscriber
+from jobsignal.fanout.encoding import encode_signal
 from jobsignal.kube.credentials import KubeConnection
+from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
 from jobsignal.rpc.session import SessionSettings
@@ -59,6 +62,8 @@ class BenchBroadcaster(Broadcaster):
         super().__init__(**kwargs)
         self.ended: Counter[str] = Counter()
         self.lags_ns: list[int] = []
+        # Subscribers set apart by `tag_big`: they get only `publish_big` events.
+        self.big: set[Subscriber] = set()
 
     def publish(self, jobs: Iterable[JobSummary], *args: Any, **kwargs: Any) -> None:
         jobs = list(jobs)
@@ -82,7 +87,25 @@ class BenchBroadcaster(Broadcaster):
     def unsubscribe(self, subscriber: Subscriber) -> None:
         reason = subscriber.end_reason.value if subscriber.end_reason else "client_gone"
         self.ended[reason] += 1
+        self.big.discard(subscriber)
         super().unsubscribe(subscriber)
+
+    def tag_big(self) -> int:
+        """Set the current subscribers apart (big-and-small scenario): from now on
+        `publish` skips them and `publish_big` reaches only them. A benchmark
+        device: jobsignal itself sends every event to every subscriber."""
+        for subscriber in self.subscribers:
+            super().unsubscribe(subscriber)
+            self.big.add(subscriber)
+        return len(self.big)
+
+    def publish_big(self, job: JobSummary) -> int:
+        """Queue one event, encoded once, for the tagged subscribers; its size."""
+        signal = encode_signal(job, str(uuid.uuid4()))
+        seen_at = trio.current_time()
+        for subscriber in self.big:
+            subscriber.push(job.key, signal, seen_at)
+        return len(signal)
 
 
 class TimedStore(JobStore):
@@ -152,6 +175,7 @@ class Runner:
         self.driver_scope: trio.CancelScope | None = None
         self.list_seconds: float | None = None
         self.profile: cProfile.Profile | None = None
+        self.server: RunningServer | None = None
 
     async def main(self) -> None:
         args = self.args
@@ -161,6 +185,7 @@ class Runner:
                 port=0,
                 session=SessionSettings(idle_timeout=3600.0),
                 shutdown_grace=2.0,
+                protocol_limits=protocol_limits(args),
             )
         )
         if args.source == "driver":
@@ -176,6 +201,7 @@ class Runner:
                 self.status,
                 self.shutdown,
             )
+            self.server = server
             if args.source == "kube":
                 started = time.perf_counter()
                 await nursery.start(self._run_source)
@@ -232,6 +258,12 @@ class Runner:
             assert self.large is not None, "start the runner with --large-servers"
             self.broadcaster.publish([stamped(self.large, time.time_ns())])
             return {"ok": True, "npus": self.large.npu_count}
+        if name == "tag_big":
+            return {"tagged": self.broadcaster.tag_big()}
+        if name == "publish_big":
+            assert self.large is not None, "start the runner with --large-servers"
+            size = self.broadcaster.publish_big(stamped(self.large, time.time_ns()))
+            return {"bytes": size, "npus": self.large.npu_count}
         if name == "profile_start":
             self.profile = cProfile.Profile()
             self.profile.enable()
@@ -264,10 +296,14 @@ class Runner:
         return {"error": f"unknown command {name!r}"}
 
     def _stats(self) -> dict[str, Any]:
-        subscribers = self.broadcaster.subscribers
+        subscribers = self.broadcaster.subscribers | self.broadcaster.big
         counters = self.broadcaster.counters()
+        connections = self.server.connections if self.server else None
+        closed = dict(connections.closed_by_server) if connections is not None else {}
         return {
             "subscribers": len(subscribers),
+            "connections": len(connections) if connections is not None else 0,
+            "closed_by_server": closed,
             "published": counters.get("events_published", 0),
             "queued": counters.get("messages_queued", 0),
             "coalesced": counters.get("coalesced", 0),
@@ -334,6 +370,16 @@ class Runner:
                 await trio.sleep_until(deadline)
 
 
+def protocol_limits(args: argparse.Namespace) -> ProtocolLimits:
+    """jobsignal's HTTP/2 abuse budgets, with the timeouts the command line sets."""
+    overrides = {
+        name: value
+        for name in ("handshake_timeout", "write_stall_timeout")
+        if (value := getattr(args, name)) is not None
+    }
+    return dataclasses.replace(ProtocolLimits(), **overrides)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--source", choices=("driver", "kube"), default="driver")
@@ -342,6 +388,8 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=2, help="servers (x 8 NPUs) per job")
     parser.add_argument("--large-servers", type=int, default=0)
     parser.add_argument("--max-pending", type=int, default=1024)
+    parser.add_argument("--handshake-timeout", type=float, help="default: jobsignal's")
+    parser.add_argument("--write-stall-timeout", type=float, help="default: jobsignal's")
     parser.add_argument("--deadline", type=float, default=600.0)
     args = parser.parse_args()
     setup_child(args.deadline)
