@@ -34,6 +34,17 @@ from bench.procs import REPO, Child, ChildError, CpuMeter, wait_for
 SERVERS = ("jobsignal", "reference")
 SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.reference_server"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+# The attacks of the under-attack scenario, in the order they run (bench/attacker.py).
+ATTACKS = (
+    "rapid_reset",
+    "settings_flood",
+    "ping_flood",
+    "window_update_flood",
+    "empty_data_flood",
+    "settings_no_read",
+    "silent",
+    "stalled_subscriber",
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,26 @@ class Sizes:
     slow_stuck: int
     profile_subs: int
     profile_seconds: float
+    # Under attack: healthy subscribers and their event rate, seconds of each
+    # attack (and of the baseline measured just before it), the server's
+    # handshake and write-stall timeouts, connections per attack at most.
+    attack_subs: int
+    attack_rate: float
+    attack_window: float
+    attack_handshake_timeout: float
+    attack_stall_timeout: float
+    attack_max_connections: int
+    # Big and small: subscribers of the big events (each on its own
+    # connection), servers (x 8 NPUs) of the big job, subscribers of the small
+    # events and their rate, seconds of each phase, seconds between big events
+    # in each phase (0: back to back), big events per phase at most.
+    big_subs: int
+    big_servers: int
+    small_subs: int
+    small_rate: float
+    big_window: float
+    big_every: tuple[float, ...]
+    big_max_rounds: int
     # Subscribers per load-generator process, and the fewest processes used.
     per_client: int = 1250
     min_clients: int = 2
@@ -90,6 +121,21 @@ FULL = Sizes(
     slow_stuck=10,
     profile_subs=1000,
     profile_seconds=6.0,
+    attack_subs=100,
+    attack_rate=20.0,
+    attack_window=6.0,
+    attack_handshake_timeout=5.0,  # jobsignal's default
+    attack_stall_timeout=3.0,  # 30 s by default: shortened to fit the window
+    attack_max_connections=20_000,
+    big_subs=20,
+    # 57,600 NPUs: 4.16 MB encoded, just under gRPC's default 4 MiB receive
+    # limit (jobsignal sends a bigger one without its rank table).
+    big_servers=7200,
+    small_subs=100,
+    small_rate=20.0,
+    big_window=6.0,
+    big_every=(1.0, 0.0),
+    big_max_rounds=30,
 )
 
 QUICK = Sizes(
@@ -112,6 +158,19 @@ QUICK = Sizes(
     slow_stuck=1,
     profile_subs=0,
     profile_seconds=0.0,
+    attack_subs=2,
+    attack_rate=20.0,
+    attack_window=0.3,
+    attack_handshake_timeout=1.0,
+    attack_stall_timeout=0.5,
+    attack_max_connections=200,
+    big_subs=2,
+    big_servers=40,
+    small_subs=2,
+    small_rate=20.0,
+    big_window=0.3,
+    big_every=(1.0, 0.0),
+    big_max_rounds=2,
     min_clients=1,
     deadline=120.0,
 )
@@ -339,6 +398,8 @@ class Bench:
             ("slow", self.scenario_slow),
             ("profile", self.scenario_profile),
             ("publish", self.scenario_publish),
+            ("attack", self.scenario_attack),
+            ("big_and_small", self.scenario_big_and_small),
         ]
         for name, scenario in scenarios:
             if only and name not in only:
@@ -715,6 +776,188 @@ class Bench:
         if done.returncode != 0:
             raise ChildError(f"bench.micro failed: {done.stderr.strip()[-1000:]}")
         self.results["publish"] = json.loads(done.stdout.strip().splitlines()[-1])
+
+    def scenario_attack(self) -> None:
+        """A healthy load's latency while a raw HTTP/2 attacker runs each attack in
+        turn, next to the same figure measured just before it (bench/attacker.py)."""
+        sizes = self.sizes
+        rows: list[dict[str, Any]] = []
+        self.results["attack"] = {
+            "subscribers": sizes.attack_subs,
+            "rate": sizes.attack_rate,
+            "window_s": sizes.attack_window,
+            "handshake_timeout_s": sizes.attack_handshake_timeout,
+            "write_stall_timeout_s": sizes.attack_stall_timeout,
+            "attacks": rows,
+        }
+        with self.running() as children:
+            server = self.server(
+                children,
+                "jobsignal",
+                "--handshake-timeout",
+                str(sizes.attack_handshake_timeout),
+                "--write-stall-timeout",
+                str(sizes.attack_stall_timeout),
+            )
+            clients = self.clients(children, server, sizes.attack_subs)
+            attacker = self.child(
+                "attacker",
+                "bench.attacker",
+                "--target",
+                f"127.0.0.1:{server.ready['port']}",
+                "--max-connections",
+                str(sizes.attack_max_connections),
+            )
+            children.append(attacker)
+            server.request({"cmd": "mode", "mode": "rate", "rate": sizes.attack_rate})
+            time.sleep(sizes.warmup)
+            for name in ATTACKS:
+                row = self.one_attack(server, clients, attacker, name)
+                rows.append(row)
+                during, before = row["healthy"], row["baseline"]
+                self.log(
+                    f"  attack {name}: healthy p50/p99 {during['p50_ms']:.1f}/"
+                    f"{during['p99_ms']:.1f} ms (baseline {before['p50_ms']:.1f}/"
+                    f"{before['p99_ms']:.1f}), server {row['server_cpu']:.2f} cores,"
+                    f" answers {row['attacker']['answers']}"
+                )
+            server.request({"cmd": "mode", "mode": "idle"})
+
+    def one_attack(
+        self, server: Child, clients: list[Child], attacker: Child, name: str
+    ) -> dict[str, Any]:
+        window = self.sizes.attack_window
+        time.sleep(self.sizes.warmup)  # what the last attack left behind settles
+        meter = CpuMeter([server.pid])
+        meter.start()
+        baseline = self.latency_window(clients, window)
+        baseline_cpu = meter.stop()[0]
+        health_before = self.health(clients)
+        stats_before = server.request({"cmd": "stats"})
+        rss_before = server.rss_bytes()
+        self.reset_latencies(clients)
+        meter = CpuMeter([server.pid, attacker.pid])
+        meter.start()
+        attacker.request({"cmd": "start", "attack": name, "seconds": window})
+        time.sleep(window)
+
+        def finished() -> dict[str, Any] | None:
+            reply = attacker.request({"cmd": "result"})
+            return None if reply["running"] else reply
+
+        result = wait_for(
+            finished,
+            f"the {name} attack to end",
+            timeout=window + 30,
+            interval=0.05,
+        )
+        server_cpu, attacker_cpu = meter.stop()
+        samples = self.collect_latencies(clients)
+        stats_after = server.request({"cmd": "stats"})
+        health_after = self.health(clients)
+        closed = {
+            reason: count - stats_before["closed_by_server"].get(reason, 0)
+            for reason, count in stats_after["closed_by_server"].items()
+        }
+        return {
+            "attack": name,
+            "baseline": latency_summary(baseline),
+            "baseline_server_cpu": baseline_cpu,
+            "healthy": latency_summary(samples),
+            "server_cpu": server_cpu,
+            "attacker_cpu": attacker_cpu,
+            "attacker": result["record"],
+            "server_closed": {reason: n for reason, n in closed.items() if n},
+            "rss_before_bytes": rss_before,
+            "rss_after_bytes": server.rss_bytes(),
+            "healthy_ended": health_after["ended"] - health_before["ended"],
+            "healthy_subscribers": health_after["started"] - health_after["ended"],
+        }
+
+    @staticmethod
+    def health(clients: list[Child]) -> dict[str, int]:
+        """Subscriptions started and ended so far over all load generators."""
+        replies = [client.request({"cmd": "count"}) for client in clients]
+        return {key: sum(int(r[key]) for r in replies) for key in ("started", "ended")}
+
+    def scenario_big_and_small(self) -> None:
+        """Big events to some subscribers, small ones to the others: what the big
+        writes cost the small events' latency, and how long the big ones take."""
+        sizes = self.sizes
+        with self.running() as children:
+            server = self.server(children, "jobsignal", "--large-servers", str(sizes.big_servers))
+            big = self.clients(children, server, sizes.big_subs)
+            tagged = server.request({"cmd": "tag_big"})["tagged"]
+            if tagged != sizes.big_subs:
+                raise ChildError(f"{tagged} subscribers tagged for the big events")
+            small = self.clients(children, server, sizes.small_subs)
+            server.request({"cmd": "mode", "mode": "rate", "rate": sizes.small_rate})
+            time.sleep(sizes.warmup)
+            meter = CpuMeter([server.pid])
+            meter.start()
+            without = self.latency_window(small, sizes.big_window)
+            cpu_without = meter.stop()[0]
+            phases = [self.big_phase(server, big, small, every) for every in sizes.big_every]
+            server.request({"cmd": "mode", "mode": "idle"})
+            self.results["big_and_small"] = {
+                "big_subscribers": sizes.big_subs,
+                "small_subscribers": sizes.small_subs,
+                "small_rate": sizes.small_rate,
+                "window_s": sizes.big_window,
+                "without_big": latency_summary(without),
+                "server_cpu_without": cpu_without,
+                "phases": phases,
+                "peak_rss_bytes": server.peak_rss_bytes(),
+            }
+
+    def big_phase(
+        self, server: Child, big: list[Child], small: list[Child], every: float
+    ) -> dict[str, Any]:
+        """For one window, a big event every `every` seconds (0: each one as soon as
+        every big subscriber has the last); the small events' latency meanwhile."""
+        sizes = self.sizes
+        self.reset_latencies(small)
+        meter = CpuMeter([server.pid])
+        meter.start()
+        started = time.perf_counter()
+        rounds: list[dict[str, Any]] = []
+        while len(rounds) < sizes.big_max_rounds:
+            due = started + len(rounds) * every if every else time.perf_counter()
+            if due - started >= sizes.big_window:
+                break
+            time.sleep(max(0.0, due - time.perf_counter()))
+            self.reset_latencies(big)
+            before, _ = self.received(big)
+            published = server.request({"cmd": "publish_big"})
+            self.wait_delivered(big, before, f"big event {len(rounds)}")
+            samples = self.collect_latencies(big)
+            rounds.append(
+                {
+                    "first_delivered_s": min(samples) / 1e9,
+                    "all_delivered_s": max(samples) / 1e9,
+                    "bytes": published["bytes"],
+                    "npus": published["npus"],
+                }
+            )
+        # The small events are measured for the whole window, also when the
+        # rounds ran out first (the quick run).
+        time.sleep(max(0.0, started + sizes.big_window - time.perf_counter()))
+        server_cpu = meter.stop()[0]
+        during = latency_summary(self.collect_latencies(small))
+        last = median([r["all_delivered_s"] for r in rounds])
+        pace = f"every {every:g} s" if every else "back to back"
+        self.log(
+            f"  big and small, big events {pace}: small p50/p99"
+            f" {during['p50_ms']:.1f}/{during['p99_ms']:.1f} ms; big event to"
+            f" {sizes.big_subs} subscribers in {last:.3f} s"
+        )
+        return {
+            "every_s": every,
+            "small": during,
+            "server_cpu": server_cpu,
+            "seconds": time.perf_counter() - started,
+            "rounds": rounds,
+        }
 
 
 def _histogram(samples_ns: list[int], bins: int = 60) -> dict[str, list[float]]:
