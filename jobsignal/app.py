@@ -7,7 +7,6 @@ server ready once the first LIST is applied. `shutdown` ends it gracefully.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -28,7 +27,7 @@ from jobsignal.kube.api import KubeApi
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.demo import run_demo_cluster
 from jobsignal.kube.watcher import Watcher, WatchSettings
-from jobsignal.metrics import MetricSources, render
+from jobsignal.metrics import MetricSources, build_registry
 from jobsignal.metrics_server import HttpStats, run_metrics_server
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.guard import ProtocolLimits
@@ -203,14 +202,14 @@ def metric_sources(
         registered_ids=lambda: len(registry),
         registrations_expired=lambda: registry.expired_total,
         connections=lambda: len(server.connections),
-        ping_floods=lambda: server.connections.ping_floods,
+        connections_refused=lambda: server.connections.counter.refused,
         connections_closed_by_server=lambda: server.connections.closed_by_server,
         streams_refused=lambda: server.connections.streams_refused,
         rpc_handler_errors=lambda: server.handler_errors,
         http_errors=lambda: http_stats.errors,
         jobs=store.live_job_count,
         configmaps_rejected=lambda: store.rejected_total,
-        watch_counters=lambda: dataclasses.asdict(watcher.counters),
+        watch_counters=lambda: watcher.counters,
         last_sync_time=lambda: status.last_sync_time,
         source_in_sync=lambda: status.in_sync,
     )
@@ -325,7 +324,7 @@ async def run_jobsignal(
                 ),
                 host,
                 port,
-                partial(render, sources),
+                build_registry(sources),
             )
         nursery.start_soon(_freeze_after_first_list, status)
         task_status.started(

@@ -1,21 +1,47 @@
-"""Prometheus metrics: a latency histogram and the text exposition of every counter.
+"""Prometheus metrics: the hot-path counters' types and one collector that reads them.
 
 Counters live where the work happens (broadcaster, registry, watcher,
-connection table); this module reads them at scrape time and renders the
-Prometheus text format (version 0.0.4), so the hot paths pay for a plain
-integer increment and nothing else.
+connection table) as plain integers and `Counter`s, so the hot paths pay for
+an increment and nothing else. At scrape time `JobsignalCollector` turns
+them into prometheus_client metric families; `build_registry` puts it, with
+prometheus_client's process, platform and GC collectors, into a registry of
+its own per server (never the process-wide default one, so several servers in
+one process do not clash). The HTTP side (formats, compression) is
+`metrics_server`'s.
 """
 
 from __future__ import annotations
 
 import bisect
+import platform
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpclib
+import trio
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from jobsignal.store.configmap import REASONS as CONFIGMAP_REJECTION_REASONS
+
+if TYPE_CHECKING:  # the watcher imports the fan-out, which imports this module
+    from jobsignal.kube.watcher import WatchCounters
 
 # Seconds from the watcher seeing an event to its bytes being handed to the
 # client's connection: sub-millisecond to a slow client's many seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+# Why a metrics-port connection ended in a fault (HttpStats.errors keys).
+HTTP_ERROR_REASONS = ("bad_request", "headers_too_large", "timeout", "internal")
 
 
 class Histogram:
@@ -29,6 +55,16 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += times
         self.total += value * times
         self.count += times
+
+    def cumulative_buckets(self) -> list[tuple[str, float]]:
+        """(le, observations <= le) per bound, ending with +Inf: the exposition's buckets."""
+        buckets: list[tuple[str, float]] = []
+        cumulative = 0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            cumulative += count
+            buckets.append((str(float(bound)), cumulative))  # 1 -> "1.0", as clients write it
+        buckets.append(("+Inf", self.count))
+        return buckets
 
 
 @dataclass
@@ -50,62 +86,6 @@ class FanoutStats:
     delivery_latency: Histogram = field(default_factory=Histogram)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-class Exposition:
-    """Builds one scrape's text, metric family by family."""
-
-    def __init__(self) -> None:
-        self._lines: list[str] = []
-
-    def family(
-        self,
-        name: str,
-        kind: str,
-        help_text: str,
-        samples: Iterable[tuple[dict[str, str], float]],
-    ) -> None:
-        self._lines.append(f"# HELP {name} {help_text}")
-        self._lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            self._lines.append(f"{name}{_labels(labels)} {_number(value)}")
-
-    def single(self, name: str, kind: str, help_text: str, value: float) -> None:
-        self.family(name, kind, help_text, [({}, value)])
-
-    def histogram(self, name: str, help_text: str, histogram: Histogram) -> None:
-        self._lines.append(f"# HELP {name} {help_text}")
-        self._lines.append(f"# TYPE {name} histogram")
-        cumulative = 0
-        for bound, count in zip(histogram.bounds, histogram.counts, strict=False):
-            cumulative += count
-            self._lines.append(f'{name}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        self._lines.append(f'{name}_bucket{{le="+Inf"}} {histogram.count}')
-        self._lines.append(f"{name}_sum {_number(histogram.total)}")
-        self._lines.append(f"{name}_count {histogram.count}")
-
-    def text(self) -> str:
-        return "\n".join(self._lines) + "\n"
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{key}="{_escape(value)}"' for key, value in sorted(labels.items()))
-    return "{" + inner + "}"
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int) or float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
-
-
-Renderer = Callable[[], str]
-
-
 @dataclass
 class MetricSources:
     """Everything a scrape reads; filled in as the server starts its parts."""
@@ -115,156 +95,261 @@ class MetricSources:
     registered_ids: Callable[[], int]
     registrations_expired: Callable[[], int]
     connections: Callable[[], int]
-    ping_floods: Callable[[], int]
-    connections_closed_by_server: Callable[[], Counter[str]]
+    connections_refused: Callable[[], int]
+    connections_closed_by_server: Callable[[], Mapping[str, int]]
     streams_refused: Callable[[], int]
-    rpc_handler_errors: Callable[[], Counter[str]]
-    http_errors: Callable[[], Counter[str]]
+    rpc_handler_errors: Callable[[], Mapping[str, int]]
+    http_errors: Callable[[], Mapping[str, int]]
     jobs: Callable[[], int]
-    configmaps_rejected: Callable[[], Counter[str]]
-    watch_counters: Callable[[], dict[str, int]]
+    configmaps_rejected: Callable[[], Mapping[str, int]]
+    watch_counters: Callable[[], WatchCounters]
     last_sync_time: Callable[[], float | None]
     source_in_sync: Callable[[], bool]
 
 
-def render(sources: MetricSources) -> str:
-    out = Exposition()
-    fanout = sources.fanout
-    out.family(
-        "jobsignal_subscribers",
-        "gauge",
-        "Active subscriptions by RPC and role.",
-        [
-            ({"rpc": kind, "role": role}, count)
-            for (kind, role), count in sorted(sources.subscribers_by_kind_and_role().items())
-        ],
+@dataclass(frozen=True)
+class BuildInfo:
+    version: str
+    python: str
+    grpclib: str
+    trio: str
+
+    @classmethod
+    def of_this_process(cls) -> BuildInfo:
+        # Imported here: the package's __init__ imports the app, which imports this module.
+        from jobsignal import __version__
+
+        return cls(__version__, platform.python_version(), grpclib.__version__, trio.__version__)
+
+
+def _counter(
+    name: str,
+    help_text: str,
+    label: str,
+    counts: Mapping[str, int],
+    known: Collection[str] = (),
+) -> CounterMetricFamily:
+    """A counter family by one label; `known` values are exported even at zero,
+    so that rate() and increase() see their first occurrence."""
+    family = CounterMetricFamily(name, help_text, labels=[label])
+    for value in sorted({*known, *counts}):
+        family.add_metric([value], counts.get(value, 0))
+    return family
+
+
+class JobsignalCollector(Collector):
+    """Reads every jobsignal counter at scrape time; holds no metric state itself."""
+
+    def __init__(self, sources: MetricSources, build: BuildInfo) -> None:
+        self._sources = sources
+        self._build = build
+
+    def collect(self) -> Iterator[Metric]:
+        yield InfoMetricFamily(
+            "jobsignal_build",
+            "The running jobsignal: its version and those of Python, grpclib and trio.",
+            value={
+                "version": self._build.version,
+                "python": self._build.python,
+                "grpclib": self._build.grpclib,
+                "trio": self._build.trio,
+            },
+        )
+        yield from self._clients()
+        yield from self._fanout()
+        yield from self._source()
+
+    def _clients(self) -> Iterator[Metric]:
+        sources = self._sources
+        subscribers = GaugeMetricFamily(
+            "jobsignal_subscribers", "Active subscriptions by RPC and role.", labels=["rpc", "role"]
+        )
+        for (kind, role), count in sorted(sources.subscribers_by_kind_and_role().items()):
+            subscribers.add_metric([kind, role], count)
+        yield subscribers
+        yield GaugeMetricFamily(
+            "jobsignal_registered_ids",
+            "Registered client ids (waiting for their subscription or subscribed).",
+            value=sources.registered_ids(),
+        )
+        yield CounterMetricFamily(
+            "jobsignal_registrations_expired_total",
+            "Registered ids that expired without subscribing.",
+            value=sources.registrations_expired(),
+        )
+        yield GaugeMetricFamily(
+            "jobsignal_connections", "Open gRPC (HTTP/2) connections.", value=sources.connections()
+        )
+        yield CounterMetricFamily(
+            "jobsignal_connections_refused_total",
+            "gRPC connections refused over --max-connections or --max-connections-per-ip"
+            " (the first request is answered UNAVAILABLE, then the connection closes).",
+            value=sources.connections_refused(),
+        )
+        yield _counter(
+            "jobsignal_connections_closed_by_server_total",
+            "gRPC connections the server closed on the peer's misbehaviour, by reason"
+            " (too_many_pings, rapid_reset, control_flood, handshake_timeout, write_stalled,"
+            " protocol_error, internal_error).",
+            "reason",
+            sources.connections_closed_by_server(),
+        )
+        yield CounterMetricFamily(
+            "jobsignal_streams_refused_total",
+            "HTTP/2 streams refused with REFUSED_STREAM: over the stream limit advertised in"
+            " SETTINGS.",
+            value=sources.streams_refused(),
+        )
+        yield _counter(
+            "jobsignal_rpc_handler_errors_total",
+            "Unexpected exceptions caught at the gRPC handler boundary (answered INTERNAL),"
+            " by RPC.",
+            "rpc",
+            sources.rpc_handler_errors(),
+        )
+        yield _counter(
+            "jobsignal_http_errors_total",
+            "Metrics-port HTTP connections ended by a fault, by reason (bad_request,"
+            " headers_too_large, timeout, internal).",
+            "reason",
+            sources.http_errors(),
+            HTTP_ERROR_REASONS,
+        )
+
+    def _fanout(self) -> Iterator[Metric]:
+        fanout = self._sources.fanout
+        yield CounterMetricFamily(
+            "jobsignal_job_events_total",
+            "Job events published to the subscribers (each encoded once).",
+            value=fanout.events_published,
+        )
+        yield CounterMetricFamily(
+            "jobsignal_messages_queued_total",
+            "Messages queued for subscribers.",
+            value=fanout.messages_queued,
+        )
+        yield CounterMetricFamily(
+            "jobsignal_messages_delivered_total",
+            "Messages written to client streams.",
+            value=fanout.messages_delivered,
+        )
+        yield CounterMetricFamily(
+            "jobsignal_messages_coalesced_total",
+            "Queued messages replaced by a newer state of the same job (slow clients).",
+            value=fanout.coalesced,
+        )
+        yield CounterMetricFamily(
+            "jobsignal_rank_tables_stripped_total",
+            "Job events sent without HcclJson because the message exceeded the send limit.",
+            value=fanout.rank_tables_stripped,
+        )
+        yield _counter(
+            "jobsignal_job_events_dropped_total",
+            "Job events dropped because encoding or queueing them failed (a bug: logged), by step.",
+            "reason",
+            fanout.events_dropped,
+        )
+        yield _counter(
+            "jobsignal_write_batches_total",
+            "Batches of messages written to client streams: at once from the subscriber's task,"
+            " or after waiting for HTTP/2 flow control or the socket.",
+            "path",
+            {"at_once": fanout.batches_written_at_once, "waiting": fanout.batches_written_waiting},
+        )
+        yield _counter(
+            "jobsignal_stream_ends_total",
+            "Ended subscription streams by reason (idle, slow, replaced, shutdown, client_gone),"
+            " and refused calls (refused: Subscribe refused by the registry or a rate limit,"
+            " Register refused by a rate limit).",
+            "reason",
+            fanout.stream_ends,
+        )
+        latency = fanout.delivery_latency
+        yield HistogramMetricFamily(
+            "jobsignal_delivery_latency_seconds",
+            "From the watcher seeing an event to its message being written to the client.",
+            buckets=latency.cumulative_buckets(),
+            sum_value=latency.total,
+        )
+
+    def _source(self) -> Iterator[Metric]:
+        sources = self._sources
+        yield GaugeMetricFamily("jobsignal_jobs", "Live jobs in the store.", value=sources.jobs())
+        yield _counter(
+            "jobsignal_configmaps_rejected_total",
+            "ConfigMaps skipped as malformed, by reason.",
+            "reason",
+            sources.configmaps_rejected(),
+            CONFIGMAP_REJECTION_REASONS,
+        )
+        yield from _kube_families(sources.watch_counters())
+        last_sync = sources.last_sync_time()
+        yield GaugeMetricFamily(
+            "jobsignal_last_sync_timestamp_seconds",
+            "Unix time the Kubernetes API was last heard from (0: never).",
+            value=last_sync or 0,
+        )
+        yield GaugeMetricFamily(
+            "jobsignal_source_in_sync",
+            "1 while the watch is connected, 0 while the API is unreachable.",
+            value=1 if sources.source_in_sync() else 0,
+        )
+
+
+def _kube_families(counters: WatchCounters) -> Iterator[Metric]:
+    """The watcher's counters, each field in exactly one series."""
+    requests = CounterMetricFamily(
+        "jobsignal_kube_requests_total",
+        "Kubernetes API calls by verb: list counts LISTs completed (all pages of one scope),"
+        " watch counts WATCH requests made.",
+        labels=["verb"],
     )
-    out.single(
-        "jobsignal_registered_ids", "gauge", "Registered client ids.", sources.registered_ids()
+    requests.add_metric(["list"], counters.lists)
+    requests.add_metric(["watch"], counters.watches)
+    yield requests
+    yield CounterMetricFamily(
+        "jobsignal_kube_watch_events_total",
+        "ADDED, MODIFIED and DELETED events received on watches.",
+        value=counters.events,
     )
-    out.single(
-        "jobsignal_registrations_expired_total",
-        "counter",
-        "Registered ids that expired without subscribing.",
-        sources.registrations_expired(),
+    yield CounterMetricFamily(
+        "jobsignal_kube_watch_bookmarks_total",
+        "BOOKMARK events received on watches (they only advance the resourceVersion).",
+        value=counters.bookmarks,
     )
-    out.single("jobsignal_connections", "gauge", "Open HTTP/2 connections.", sources.connections())
-    out.single(
-        "jobsignal_ping_floods_total",
-        "counter",
-        "Connections closed with GOAWAY too_many_pings.",
-        sources.ping_floods(),
+    yield CounterMetricFamily(
+        "jobsignal_kube_watch_restarts_total",
+        "Watches the API server ended cleanly (its timeoutSeconds), watched again from the"
+        " last resourceVersion.",
+        value=counters.watch_restarts,
     )
-    out.family(
-        "jobsignal_connections_closed_by_server_total",
-        "counter",
-        "Connections the server closed on the peer's misbehaviour, by reason (too_many_pings,"
-        " rapid_reset, control_flood, handshake_timeout, write_stalled, protocol_error,"
-        " internal_error).",
-        [({"reason": r}, n) for r, n in sorted(sources.connections_closed_by_server().items())],
+    yield CounterMetricFamily(
+        "jobsignal_kube_relists_total",
+        "LISTs made again because the API answered 410 Gone (the resourceVersion watched from"
+        " is no longer in its history).",
+        value=counters.relists_after_gone,
     )
-    out.single(
-        "jobsignal_streams_refused_total",
-        "counter",
-        "HTTP/2 streams refused with REFUSED_STREAM: over the stream limit advertised in SETTINGS.",
-        sources.streams_refused(),
+    yield CounterMetricFamily(
+        "jobsignal_kube_errors_total",
+        "Failed LIST or WATCH calls (unreachable, timeouts, 401/403, 429, 5xx, unreadable"
+        " answers, watch ERROR events other than 410), each followed by a backoff.",
+        value=counters.errors,
     )
-    out.family(
-        "jobsignal_rpc_handler_errors_total",
-        "counter",
-        "Unexpected exceptions caught at the gRPC handler boundary (answered INTERNAL), by RPC.",
-        [({"rpc": r}, n) for r, n in sorted(sources.rpc_handler_errors().items())],
+    yield CounterMetricFamily(
+        "jobsignal_store_apply_errors_total",
+        "Watch events or LISTs whose application to the job store failed unexpectedly"
+        " (a bug: logged with its traceback); the event or LIST is skipped.",
+        value=counters.apply_errors,
     )
-    out.family(
-        "jobsignal_http_errors_total",
-        "counter",
-        "Metrics-port HTTP connections ended by a fault, by reason (bad_request,"
-        " headers_too_large, timeout, internal).",
-        [({"reason": r}, n) for r, n in sorted(sources.http_errors().items())],
-    )
-    out.single("jobsignal_jobs", "gauge", "Live jobs in the store.", sources.jobs())
-    out.single(
-        "jobsignal_job_events_total",
-        "counter",
-        "Job events published (each encoded once).",
-        fanout.events_published,
-    )
-    out.single(
-        "jobsignal_messages_queued_total",
-        "counter",
-        "Messages queued for subscribers.",
-        fanout.messages_queued,
-    )
-    out.single(
-        "jobsignal_messages_delivered_total",
-        "counter",
-        "Messages written to client streams.",
-        fanout.messages_delivered,
-    )
-    out.single(
-        "jobsignal_messages_coalesced_total",
-        "counter",
-        "Queued messages replaced by a newer state of the same job (slow clients).",
-        fanout.coalesced,
-    )
-    out.single(
-        "jobsignal_rank_tables_stripped_total",
-        "counter",
-        "Job events sent without HcclJson because the message exceeded the send limit.",
-        fanout.rank_tables_stripped,
-    )
-    out.family(
-        "jobsignal_job_events_dropped_total",
-        "counter",
-        "Job events dropped because encoding or queueing them failed (a bug: logged), by step.",
-        [({"reason": reason}, count) for reason, count in sorted(fanout.events_dropped.items())],
-    )
-    out.family(
-        "jobsignal_write_batches_total",
-        "counter",
-        "Batches of messages written to client streams: at once from the subscriber's task,"
-        " or after waiting for HTTP/2 flow control or the socket.",
-        [
-            ({"path": "at_once"}, fanout.batches_written_at_once),
-            ({"path": "waiting"}, fanout.batches_written_waiting),
-        ],
-    )
-    out.family(
-        "jobsignal_stream_ends_total",
-        "counter",
-        "Ended subscription streams by reason (idle, slow, replaced, shutdown, client_gone).",
-        [({"reason": reason}, count) for reason, count in sorted(fanout.stream_ends.items())],
-    )
-    out.histogram(
-        "jobsignal_delivery_latency_seconds",
-        "From the watcher seeing an event to its message being written to the client.",
-        fanout.delivery_latency,
-    )
-    out.family(
-        "jobsignal_configmaps_rejected_total",
-        "counter",
-        "ConfigMaps skipped as malformed, by reason.",
-        [({"reason": r}, n) for r, n in sorted(sources.configmaps_rejected().items())],
-    )
-    watch = sources.watch_counters()
-    out.family(
-        "jobsignal_watch_total",
-        "counter",
-        "Kubernetes watcher activity: lists, relists after 410, watches, restarts, events,"
-        " bookmarks, errors.",
-        [({"what": name}, value) for name, value in sorted(watch.items())],
-    )
-    last_sync = sources.last_sync_time()
-    out.single(
-        "jobsignal_last_sync_timestamp_seconds",
-        "gauge",
-        "Unix time the Kubernetes API was last heard from (0: never).",
-        last_sync or 0,
-    )
-    out.single(
-        "jobsignal_source_in_sync",
-        "gauge",
-        "1 while the watch is connected, 0 while the API is unreachable.",
-        1 if sources.source_in_sync() else 0,
-    )
-    return out.text()
+
+
+def build_registry(sources: MetricSources, build: BuildInfo | None = None) -> CollectorRegistry:
+    """A registry of its own for one server: jobsignal's counters plus process,
+    platform (python_info) and garbage collector metrics."""
+    # auto_describe: registering collects once, so clashing names fail here, not in a scrape.
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    registry.register(JobsignalCollector(sources, build or BuildInfo.of_this_process()))
+    return registry

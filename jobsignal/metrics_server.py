@@ -10,11 +10,17 @@ unexpected exception while handling one connection ends that connection only
 (with 500 when a response can still be sent). Each such ending is counted in
 `HttpStats.errors` (the `jobsignal_http_errors_total` metric) and logged at
 a bounded rate, and the server goes on accepting.
+
+`/metrics` is rendered by prometheus_client from the server's own registry,
+in the format the scraper's `Accept` header asks for (OpenMetrics or the
+Prometheus text format) and gzip-compressed when its `Accept-Encoding`
+allows, as prometheus_client's own handlers do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -23,6 +29,8 @@ from http import HTTPStatus
 
 import h11
 import trio
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 from jobsignal.logs import RateLimitedLog, quote
 
@@ -42,6 +50,8 @@ LINGER_BYTES = 64 * 1024
 ERROR_SEND_TIMEOUT = 1.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOWED_METHODS = "GET, HEAD"
+# /metrics depends on these request headers (for caches between us and the scraper).
+METRICS_VARY = "Accept, Accept-Encoding"
 
 
 @dataclass
@@ -60,6 +70,7 @@ class Reply:
     status: int
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
+    content_type: str = CONTENT_TYPE
 
 
 Readiness = Callable[[], str | None]
@@ -69,15 +80,49 @@ def _always_ready() -> str | None:
     return None
 
 
+def gzip_accepted(accept_encoding: str) -> bool:
+    """Whether `Accept-Encoding` allows gzip (a quality of 0 refuses it)."""
+    for coding in accept_encoding.split(","):
+        name, *parameters = (part.strip().lower() for part in coding.split(";"))
+        if name not in ("gzip", "x-gzip"):
+            continue
+        for parameter in parameters:
+            key, _, value = parameter.partition("=")
+            if key.strip() == "q":
+                try:
+                    return float(value) > 0
+                except ValueError:
+                    return False
+        return True
+    return False
+
+
+def exposition(metrics: Collector, accept: str = "", accept_encoding: str = "") -> Reply:
+    """`metrics` rendered in the format `accept` asks for, gzipped if allowed."""
+    encoder, content_type = choose_encoder(accept)
+    body = encoder(metrics)
+    headers: tuple[tuple[str, str], ...] = (("vary", METRICS_VARY),)
+    if gzip_accepted(accept_encoding):
+        body = gzip.compress(body)
+        headers += (("content-encoding", "gzip"),)
+    return Reply(200, body, headers, content_type)
+
+
 def route(
-    method: bytes, target: bytes, render: Callable[[], str], readiness: Readiness = _always_ready
+    method: bytes,
+    target: bytes,
+    metrics: Collector,
+    readiness: Readiness = _always_ready,
+    *,
+    accept: str = "",
+    accept_encoding: str = "",
 ) -> Reply:
     """The reply to one request (for HEAD, the body is computed and not sent)."""
     if method not in (b"GET", b"HEAD"):
         return Reply(405, b"only GET and HEAD\n", (("allow", ALLOWED_METHODS),))
     path = target.split(b"?")[0]
     if path == b"/metrics":
-        return Reply(200, render().encode())
+        return exposition(metrics, accept, accept_encoding)
     if path in (b"/healthz", b"/livez"):
         # The process answers: its event loop runs.
         return Reply(200, b"ok\n")
@@ -91,7 +136,7 @@ def route(
 
 def _response(conn: h11.Connection, reply: Reply, *, with_body: bool) -> bytes:
     headers = [
-        ("content-type", CONTENT_TYPE),
+        ("content-type", reply.content_type),
         ("content-length", str(len(reply.body))),
         ("connection", "close"),
         *reply.headers,
@@ -144,7 +189,7 @@ class _Connection:
             else:  # nothing else can come before a request; h11 would have raised
                 raise AssertionError(f"unexpected HTTP event before a request: {event!r}")
 
-    async def exchange(self, render: Callable[[], str], readiness: Readiness) -> None:
+    async def exchange(self, metrics: Collector, readiness: Readiness) -> None:
         with trio.move_on_after(CONNECTION_TIMEOUT) as deadline:
             try:
                 request = await self.read_request()
@@ -157,7 +202,14 @@ class _Connection:
                 return
             if request is None:
                 return
-            reply = route(request.method, request.target, render, readiness)
+            reply = route(
+                request.method,
+                request.target,
+                metrics,
+                readiness,
+                accept=_header(request, b"accept"),
+                accept_encoding=_header(request, b"accept-encoding"),
+            )
             await self.send(reply, with_body=request.method != b"HEAD")
         if deadline.cancelled_caught:
             self.fault("timeout", f"no complete exchange within {CONNECTION_TIMEOUT:g}s")
@@ -168,6 +220,12 @@ class _Connection:
         fault_log.log(
             logging.INFO, f"http:{reason}", "metrics HTTP %s from %s: %s", reason, self.peer, detail
         )
+
+
+def _header(request: h11.Request, name: bytes) -> str:
+    """The request's `name` headers (h11 lower-cases names) joined as one list."""
+    values = [value.decode("latin-1") for key, value in request.headers if key == name]
+    return ", ".join(values)
 
 
 async def _close_gently(stream: trio.SocketStream) -> None:
@@ -197,14 +255,14 @@ def _peer_of(stream: trio.SocketStream) -> str:
 
 async def serve_connection(
     stream: trio.SocketStream,
-    render: Callable[[], str],
+    metrics: Collector,
     stats: HttpStats,
     readiness: Readiness = _always_ready,
 ) -> None:
     """Answer one request on `stream`; raises nothing but cancellation."""
     connection = _Connection(stream, stats)
     try:
-        await connection.exchange(render, readiness)
+        await connection.exchange(metrics, readiness)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the client went away: nothing to answer, nothing wrong with us
     except Exception:
@@ -223,13 +281,13 @@ async def serve_connection(
 async def run_metrics_server(
     host: str,
     port: int,
-    render: Callable[[], str],
+    metrics: Collector,
     *,
     stats: HttpStats | None = None,
     readiness: Readiness = _always_ready,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve metrics until cancelled; reports the bound port once listening.
+    """Serve `metrics` (a registry) until cancelled; reports the bound port once listening.
 
     `/readyz` answers 503 with the reason while `readiness()` gives one.
     """
@@ -240,6 +298,6 @@ async def run_metrics_server(
     task_status.started(bound)
 
     async def handler(stream: trio.SocketStream) -> None:
-        await serve_connection(stream, render, stats, readiness)
+        await serve_connection(stream, metrics, stats, readiness)
 
     await trio.serve_listeners(handler, listeners)

@@ -17,6 +17,7 @@ import grpc
 import trio
 import trio.testing
 from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
+from prometheus_client import CollectorRegistry
 
 from jobsignal.app import _handle_signals, readiness
 from jobsignal.metrics_server import route
@@ -65,11 +66,11 @@ async def test_readiness_names_why_not() -> None:
 
 
 def test_readyz_and_livez_routes() -> None:
-    ready = route(b"GET", b"/readyz", lambda: "", lambda: None)
+    ready = route(b"GET", b"/readyz", CollectorRegistry(), lambda: None)
     assert (ready.status, ready.body) == (200, b"ok\n")
-    not_ready = route(b"GET", b"/readyz", lambda: "", lambda: "shutting down")
+    not_ready = route(b"GET", b"/readyz", CollectorRegistry(), lambda: "shutting down")
     assert (not_ready.status, not_ready.body) == (503, b"not ready: shutting down\n")
-    live = route(b"HEAD", b"/livez", lambda: "", lambda: "shutting down")
+    live = route(b"HEAD", b"/livez", CollectorRegistry(), lambda: "shutting down")
     assert live.status == 200  # alive while it drains
 
 

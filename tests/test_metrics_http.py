@@ -6,9 +6,10 @@ ends by checking that a plain GET /metrics is still answered.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -18,16 +19,44 @@ import h11
 import pytest
 import trio
 import trio.testing
-from test_metrics import kubeconfig_for, sample, scrape
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+from test_metrics import Scrape, kubeconfig_for, scrape, scrape_text
 
 from jobsignal import metrics_server
 from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.config import load_config
 from jobsignal.kube.emulator import open_emulator
 from jobsignal.logs import RateLimitedLog
-from jobsignal.metrics_server import CONNECTION_TIMEOUT, HttpStats, run_metrics_server
+from jobsignal.metrics_server import (
+    CONNECTION_TIMEOUT,
+    HttpStats,
+    gzip_accepted,
+    run_metrics_server,
+)
 
-METRICS_TEXT = "# HELP up Test.\n# TYPE up gauge\nup 1\n"
+UP = CollectorRegistry()
+Gauge("up", "Test.", registry=UP).set(1)
+METRICS_TEXT = "# HELP up Test.\n# TYPE up gauge\nup 1.0\n"
+
+
+def openmetrics_families(text: str) -> list[Metric]:
+    """Parsed strictly by prometheus_client's OpenMetrics parser (it raises on bad input)."""
+    return list(text_string_to_metric_families(text))  # type: ignore[no-untyped-call]
+
+
+OPENMETRICS_TEXT = "# HELP up Test.\n# TYPE up gauge\nup 1.0\n# EOF\n"
+# What Prometheus 2.x and 3.x send when scraping (3.x by default, with UTF-8 names allowed).
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+PROMETHEUS_3_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1"
+)
 
 
 @dataclass
@@ -44,12 +73,12 @@ class MetricsServer:
 
 
 @asynccontextmanager
-async def open_metrics_server(
-    render: Callable[[], str] = lambda: METRICS_TEXT,
-) -> AsyncIterator[MetricsServer]:
+async def open_metrics_server(metrics: CollectorRegistry = UP) -> AsyncIterator[MetricsServer]:
     stats = HttpStats()
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(partial(run_metrics_server, stats=stats), "127.0.0.1", 0, render)
+        port = await nursery.start(
+            partial(run_metrics_server, stats=stats), "127.0.0.1", 0, metrics
+        )
         yield MetricsServer(port, stats)
         nursery.cancel_scope.cancel()
 
@@ -81,8 +110,16 @@ def parse(raw: bytes) -> Response:
     return Response(int(status), headers, body)
 
 
-async def request(port: int, method: str, target: str, **options: bool) -> Response:
-    raw = f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: test\r\n\r\n"
+async def request(
+    port: int,
+    method: str,
+    target: str,
+    headers: tuple[tuple[str, str], ...] = (),
+    **options: bool,
+) -> Response:
+    lines = [f"{method} {target} HTTP/1.1", "Host: 127.0.0.1", "User-Agent: test"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    raw = "\r\n".join(lines) + "\r\n\r\n"
     return parse(await exchange(port, raw.encode(), **options))
 
 
@@ -91,7 +128,8 @@ async def assert_still_serving(port: int, text: str = METRICS_TEXT) -> None:
         response = await request(port, "GET", "/metrics")
     assert response.status == 200
     assert response.body == text.encode()
-    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "content-encoding" not in response.headers
 
 
 async def test_get_serves_metrics_and_healthz() -> None:
@@ -233,12 +271,15 @@ async def test_render_failure_is_a_500_for_that_scrape_only(
     monkeypatch.setattr(metrics_server, "fault_log", RateLimitedLog(metrics_server.log, burst=3))
     failures = [ZeroDivisionError("a bug in a metric source")] * 8
 
-    def render() -> str:
-        if failures:
-            raise failures.pop()
-        return METRICS_TEXT
+    class Failing:
+        def collect(self) -> Iterator[Metric]:
+            if failures:
+                raise failures.pop()
+            yield GaugeMetricFamily("up", "Test.", value=1)
 
-    async with open_metrics_server(render) as server:
+    metrics = CollectorRegistry()
+    metrics.register(Failing())
+    async with open_metrics_server(metrics) as server:
         with caplog.at_level(logging.ERROR, logger=metrics_server.__name__):
             for _ in range(8):
                 response = await request(server.port, "GET", "/metrics")
@@ -274,6 +315,91 @@ async def test_an_h11_error_of_our_own_is_a_500_not_a_crash(
         assert (head.status, head.body) == (200, b"")
 
 
+@pytest.mark.parametrize("accept", [PROMETHEUS_2_ACCEPT, PROMETHEUS_3_ACCEPT])
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+async def test_openmetrics_when_the_scraper_asks_for_it(accept: str, method: str) -> None:
+    async with open_metrics_server() as server:
+        response = await request(server.port, method, "/metrics", (("Accept", accept),))
+        assert response.status == 200
+        content_type = response.headers["content-type"]
+        assert content_type.startswith("application/openmetrics-text; version=1.0.0;")
+        assert "charset=utf-8" in content_type
+        assert response.headers["vary"] == "Accept, Accept-Encoding"
+        assert response.headers["content-length"] == str(len(OPENMETRICS_TEXT))
+        if method == "GET":
+            assert response.body.decode() == OPENMETRICS_TEXT
+            (family,) = openmetrics_families(response.body.decode())
+            assert (family.name, family.type, family.samples[0].value) == ("up", "gauge", 1)
+        else:
+            assert response.body == b""
+        await assert_still_serving(server.port)
+
+
+@pytest.mark.parametrize(
+    "accept", ["", "*/*", "text/plain", "text/plain;version=0.0.4", "application/json"]
+)
+async def test_the_prometheus_text_format_otherwise(accept: str) -> None:
+    async with open_metrics_server() as server:
+        headers = (("Accept", accept),) if accept else ()
+        response = await request(server.port, "GET", "/metrics", headers)
+        assert response.status == 200
+        assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert response.body == METRICS_TEXT.encode()
+
+
+@pytest.mark.parametrize("accept", ["", PROMETHEUS_3_ACCEPT])
+async def test_gzip_when_the_client_accepts_it(accept: str) -> None:
+    async with open_metrics_server() as server:
+        plain = await request(server.port, "GET", "/metrics", (("Accept", accept),))
+        headers = (("Accept", accept), ("Accept-Encoding", "gzip, deflate, br"))
+        zipped = await request(server.port, "GET", "/metrics", headers)
+        assert zipped.status == 200
+        assert zipped.headers["content-encoding"] == "gzip"
+        assert zipped.headers["content-type"] == plain.headers["content-type"]
+        assert zipped.headers["content-length"] == str(len(zipped.body))
+        assert zipped.body != plain.body
+        assert gzip.decompress(zipped.body) == plain.body
+        head = await request(server.port, "HEAD", "/metrics", headers)
+        assert head.headers["content-encoding"] == "gzip"
+        assert head.headers["content-length"] == str(len(zipped.body))
+        assert head.body == b""
+        await assert_still_serving(server.port)
+
+
+async def test_no_gzip_for_a_client_that_refuses_it() -> None:
+    async with open_metrics_server() as server:
+        headers = (("Accept-Encoding", "gzip;q=0, identity"),)
+        response = await request(server.port, "GET", "/metrics", headers)
+        assert "content-encoding" not in response.headers
+        assert response.body == METRICS_TEXT.encode()
+
+
+async def test_gzip_is_only_for_metrics() -> None:
+    async with open_metrics_server() as server:
+        for path in ("/healthz", "/livez", "/readyz", "/nothing"):
+            response = await request(server.port, "GET", path, (("Accept-Encoding", "gzip"),))
+            assert "content-encoding" not in response.headers, path
+
+
+@pytest.mark.parametrize(
+    ("accept_encoding", "accepted"),
+    [
+        ("", False),
+        ("gzip", True),
+        ("GZIP", True),
+        ("deflate, gzip;q=0.5", True),
+        ("x-gzip", True),
+        ("gzip;q=0", False),
+        ("gzip; q=0.0", False),
+        ("gzip;q=nonsense", False),
+        ("deflate, br", False),
+        ("gzipped", False),
+    ],
+)
+def test_gzip_accepted(accept_encoding: str, accepted: bool) -> None:
+    assert gzip_accepted(accept_encoding) is accepted
+
+
 async def test_the_whole_server_survives_and_counts_http_faults(tmp_path: Path) -> None:
     async with open_emulator(token="t0ken") as emulator:
         config = load_config(
@@ -293,9 +419,25 @@ async def test_the_whole_server_survives_and_counts_http_faults(tmp_path: Path) 
             assert (head.status, head.body) == (200, b"")
             assert int(head.headers["content-length"]) > 0
             assert parse(await exchange(server.metrics_port, b"\x00garbage\r\n\r\n")).status == 400
-            text = await scrape(server.metrics_port)
-            assert sample(text, "jobsignal_http_errors_total", '{reason="bad_request"}') == 1
-            assert sample(text, "jobsignal_jobs") == 0
+            metrics = await scrape(server.metrics_port)
+            assert metrics.value("jobsignal_http_errors_total", reason="bad_request") == 1
+            assert metrics.value("jobsignal_jobs") == 0
+            openmetrics = await request(
+                server.metrics_port,
+                "GET",
+                "/metrics",
+                (("Accept", PROMETHEUS_3_ACCEPT), ("Accept-Encoding", "gzip")),
+            )
+            families = {
+                family.name: family
+                for family in openmetrics_families(gzip.decompress(openmetrics.body).decode())
+            }
+            assert families["jobsignal_build"].type == "info"
+            assert families["jobsignal_http_errors"].type == "counter"
+            assert families["process_cpu_seconds"].type == "counter"
+            plain = Scrape.parse(await scrape_text(server.metrics_port))
+            names = {s.name for s in plain.samples}
+            assert {s.name for f in families.values() for s in f.samples} == names
             server.request_shutdown()
             await server.stopped.wait()
             nursery.cancel_scope.cancel()

@@ -1,23 +1,34 @@
-"""Offline checks of deploy/: Kubernetes schemas, RBAC, probes, security and settings drift.
+"""Offline checks of deploy/: schemas, RBAC, labels, probes, drain, metrics and settings drift.
 
-Every YAML document under deploy/kubernetes (base, overlays, examples) is
-validated against the Kubernetes OpenAPI schemas bundled with the
+Every YAML document under deploy/kubernetes (base, overlays, components,
+examples) is validated against the Kubernetes OpenAPI schemas bundled with the
 kubernetes-validate package, in strict mode (unknown fields are errors), with
-the network blocked. kustomization.yaml files are not Kubernetes objects: they
-are checked for resources that exist and patches that hit something instead.
+the network blocked. The Prometheus Operator's kinds (monitoring.coreos.com)
+are not in those schemas: they are checked against a strict schema of the
+fields the manifests may use, written here. kustomization.yaml files are not
+Kubernetes objects: they are checked for resources that exist and patches
+that hit something instead.
 
 The rest pins what deploy/README.md promises: RBAC that reads ConfigMaps and
-nothing else, gRPC probes on 8899, a non-root container with a read-only root
-file system, and args and env that `jobsignal serve` accepts (parsed by
+nothing else, the recommended app.kubernetes.io labels on every object with
+selectors on the stable ones only, HTTP probes on the named metrics port
+whose paths the real metrics server answers as each probe needs, a
+termination grace period that covers the drain and the shutdown grace,
+Prometheus scraping (annotations, and a ServiceMonitor that selects the
+Service's metrics port), a non-root container with a read-only root file
+system, and args and env that `jobsignal serve` accepts (parsed by
 jobsignal.config itself, so the manifests cannot drift from the code).
 
 When kubectl is on PATH, `kubectl kustomize` also renders each kustomization
-and the rendered objects go through the same checks.
+(and each component on top of each install) and the rendered objects go
+through the same checks.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import re
 import shutil
 import socket
@@ -25,15 +36,21 @@ import subprocess
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
+# Untyped; installed with kubernetes-validate, which validates with it too.
+import jsonschema  # type: ignore[import-untyped]
 import kubernetes_validate
 import pytest
+import trio
 import yaml
+from prometheus_client import CollectorRegistry, Gauge
 
 import jobsignal
 from jobsignal.config import SERVE_SETTINGS, Config, ConfigError, load_config
+from jobsignal.metrics_server import run_metrics_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -45,13 +62,40 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 # so that a field only newer clusters know (grpc probe `mode`, say) is caught.
 K8S_VERSIONS = ("1.37.0", "1.29.0")
 GRPC_PORT = 8899
+METRICS_PORT = 9090
 UID = 10001
 IMAGE = "jobsignal"
 KUSTOMIZATION_NAMES = frozenset({"kustomization.yaml", "kustomization.yml", "Kustomization"})
+KUSTOMIZE_KINDS = {
+    "Kustomization": "kustomize.config.k8s.io/v1beta1",
+    "Component": "kustomize.config.k8s.io/v1alpha1",
+}
 WORKLOAD_KINDS = frozenset({"Deployment", "Pod"})
 RBAC_ROLE_KINDS = frozenset({"Role", "ClusterRole"})
 RBAC_BINDING_KINDS = frozenset({"RoleBinding", "ClusterRoleBinding"})
 READ_VERBS = frozenset({"get", "list", "watch"})
+
+# Kubernetes' recommended labels, all on every object of an install.
+RECOMMENDED_LABELS = tuple(
+    f"app.kubernetes.io/{key}"
+    for key in ("name", "instance", "version", "component", "part-of", "managed-by")
+)
+# The only ones a selector may use: version changes with every release, and a
+# Deployment's selector cannot change at all.
+STABLE_LABELS = frozenset({"app.kubernetes.io/name", "app.kubernetes.io/instance"})
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+# Plain-text gRPC is HTTP/2 with prior knowledge: the Kubernetes-defined name.
+GRPC_APP_PROTOCOL = "kubernetes.io/h2c"
+# The kubelet's default when a pod says nothing.
+DEFAULT_TERMINATION_GRACE = 30
+# After the drain and the shutdown grace: interpreter exit, a busy node.
+TERMINATION_MARGIN = 5.0
+# Behind a Service, the pod keeps accepting this long after SIGTERM, while
+# the endpoint removal reaches kube-proxy, gateways and meshes.
+MIN_DRAIN_BEHIND_SERVICE = 5.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+MONITORING_GROUP = "monitoring.coreos.com"
 
 FLAGS = {setting.flag: setting for setting in SERVE_SETTINGS}
 ENV_VARS = {setting.env: setting for setting in SERVE_SETTINGS}
@@ -217,12 +261,15 @@ def test_deploy_tree_is_complete() -> None:
         KUBE / "base" / "service.yaml",
         KUBE / "base" / "serviceaccount.yaml",
         KUBE / "overlays" / "namespaced" / "kustomization.yaml",
+        KUBE / "components" / "prometheus-operator" / "kustomization.yaml",
+        KUBE / "components" / "prometheus-operator" / "servicemonitor.yaml",
         KUBE / "examples" / "sidecar.yaml",
     ]
     missing = [str(p.relative_to(ROOT)) for p in expected if not p.is_file()]
     assert not missing, f"missing: {missing}"
     kinds = {m.kind for m in MANIFESTS}
     assert {"Deployment", "Service", "ServiceAccount", "ClusterRole", "Role"} <= kinds
+    assert "ServiceMonitor" in kinds
 
 
 # --- schemas ----------------------------------------------------------------------
@@ -241,7 +288,102 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
 
 
+# The Prometheus Operator's ServiceMonitor (monitoring.coreos.com/v1), reduced
+# to the fields these manifests may use and strict like the Kubernetes check:
+# anything else, a misspelt field included, is an error. Field names and types
+# follow the operator's CRD; extend the schema when a manifest needs more.
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_STRINGS = {"type": "array", "items": {"type": "string"}}
+_DURATION = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h|d|w|y))+$"}
+_LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": _STRING_MAP,
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["key", "operator"],
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": _STRINGS,
+                },
+            },
+        },
+    },
+}
+_SCRAPE_ENDPOINT = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "port": {"type": "string", "minLength": 1},
+        "targetPort": {"type": ["integer", "string"]},
+        "path": {"type": "string", "pattern": "^/"},
+        "scheme": {"enum": ["http", "https"]},
+        "interval": _DURATION,
+        "scrapeTimeout": _DURATION,
+        "honorLabels": {"type": "boolean"},
+    },
+}
+MONITOR_SCHEMAS: dict[str, Obj] = {
+    "ServiceMonitor": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": f"{MONITORING_GROUP}/v1"},
+            "kind": {"const": "ServiceMonitor"},
+            "metadata": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
+                    "namespace": {"type": "string"},
+                    "labels": _STRING_MAP,
+                    "annotations": _STRING_MAP,
+                },
+            },
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["selector", "endpoints"],
+                "properties": {
+                    "selector": _LABEL_SELECTOR,
+                    "endpoints": {"type": "array", "minItems": 1, "items": _SCRAPE_ENDPOINT},
+                    "namespaceSelector": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"any": {"type": "boolean"}, "matchNames": _STRINGS},
+                    },
+                    "jobLabel": {"type": "string"},
+                    "targetLabels": _STRINGS,
+                    "podTargetLabels": _STRINGS,
+                },
+            },
+        },
+    },
+}
+
+
+def _validate_monitoring(body: Obj, where: str) -> None:
+    schema = MONITOR_SCHEMAS.get(str(body.get("kind")))
+    if schema is None:
+        _fail(f"{where}: no schema here for {MONITORING_GROUP} kind {body.get('kind')!r}")
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(body), key=lambda error: list(error.path))
+    if errors:
+        path = ".".join(str(part) for part in errors[0].path) or "(top level)"
+        _fail(f"{where}: not a valid {body['kind']}: {path}: {errors[0].message}")
+
+
 def _validate_schema(body: Obj, where: str) -> None:
+    if str(body.get("apiVersion", "")).startswith(f"{MONITORING_GROUP}/"):
+        _validate_monitoring(body, where)
+        return
     for version in K8S_VERSIONS:
         try:
             validated = kubernetes_validate.validate(body, version, strict=True)
@@ -268,6 +410,29 @@ def test_strict_schema_rejects_unknown_fields() -> None:
     _jobsignal_container(broken)["securityContext"]["readOnlyRootFileSystem"] = True
     with pytest.raises(kubernetes_validate.ValidationError, match="readOnlyRootFileSystem"):
         kubernetes_validate.validate(broken, K8S_VERSIONS[0], strict=True)
+
+
+@pytest.mark.usefixtures("no_network")
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        (("spec", "endpoints", 0, "prot"), "metrics"),  # misspelt
+        (("spec", "selecter"), {}),  # misspelt
+        (("spec", "endpoints", 0, "scheme"), "HTTP"),  # not an accepted value
+        (("spec", "endpoints", 0, "interval"), "30"),  # not a duration
+    ],
+)
+def test_monitor_schema_is_strict(field: tuple[str | int, ...], value: object) -> None:
+    """The own ServiceMonitor schema rejects what the operator's CRD would not take."""
+    monitor = next(m for m in MANIFESTS if m.kind == "ServiceMonitor")
+    broken = copy.deepcopy(monitor.body)
+    _validate_monitoring(broken, "as written")  # the unbroken one passes
+    target: Any = broken
+    for part in field[:-1]:
+        target = target[part]
+    target[field[-1]] = value
+    with pytest.raises(pytest.fail.Exception, match=str(field[-1])):
+        _validate_monitoring(broken, "broken")
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS, ids=str)
@@ -298,10 +463,22 @@ def _kustomize_resources(directory: Path) -> list[Obj]:
     return found
 
 
+def _is_component(directory: Path) -> bool:
+    return _kustomization(directory / "kustomization.yaml").get("kind") == "Component"
+
+
+COMPONENTS = [path.parent for path in KUSTOMIZATIONS if _is_component(path.parent)]
+
+
 @pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_kustomization_resources_exist(path: Path) -> None:
     kustomization = _kustomization(path)
-    assert kustomization.get("kind") == "Kustomization"
+    kind = kustomization.get("kind")
+    assert kind in KUSTOMIZE_KINDS, f"{path}: kind {kind}"
+    assert kustomization.get("apiVersion") == KUSTOMIZE_KINDS[kind], f"{path}: apiVersion"
+    if kind == "Component":
+        # Optional parts added to an install: the install decides the namespace.
+        assert "namespace" not in kustomization, f"{path}: a component sets the namespace"
     deprecated = {"bases", "commonLabels", "patchesStrategicMerge", "patchesJson6902", "vars"}
     assert not deprecated & kustomization.keys(), f"{path}: deprecated kustomize fields"
     resources = kustomization.get("resources", [])
@@ -394,18 +571,45 @@ def _check_rbac(objects: Sequence[Obj], where: str) -> None:
                 assert subject["name"] in accounts, f"{where}: {kind}/{name}: {subject}"
 
 
-def _by_file() -> dict[Path, list[Obj]]:
-    """The objects that are installed together: a kustomization tree, or one example file."""
-    groups: dict[Path, list[Obj]] = {}
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _installed_kustomizations() -> list[Path]:
+    """Kustomization directories that are applied (not only used as a base, not components)."""
+    bases = {
+        (path.parent / entry).resolve()
+        for path in KUSTOMIZATIONS
+        for entry in _kustomization(path).get("resources", [])
+    }
+    return [
+        path.parent
+        for path in KUSTOMIZATIONS
+        if path.parent.resolve() not in bases and not _is_component(path.parent)
+    ]
+
+
+ROOT_KUSTOMIZATIONS = _installed_kustomizations()
+
+
+def _installs() -> dict[str, list[Obj]]:
+    """The objects that are installed together, by name: a kustomization tree
+    (before patches), one example file, or an install with a component added."""
+    groups: dict[str, list[Obj]] = {}
     for path in KUSTOMIZATIONS:
-        groups[path.parent] = _kustomize_resources(path.parent)
+        if not _is_component(path.parent):  # a component is no install on its own
+            groups[_rel(path.parent)] = _kustomize_resources(path.parent)
     for manifest in MANIFESTS:
         if KUBE / "examples" in manifest.path.parents:
-            groups.setdefault(manifest.path, []).append(manifest.body)
+            groups.setdefault(_rel(manifest.path), []).append(manifest.body)
+    for root in ROOT_KUSTOMIZATIONS:
+        for component in COMPONENTS:
+            objects = _kustomize_resources(root) + _kustomize_resources(component)
+            groups[f"{_rel(root)}+{_rel(component)}"] = objects
     return groups
 
 
-INSTALLS = _by_file()
+INSTALLS = _installs()
 
 
 def test_every_role_grants_only_reading_configmaps() -> None:
@@ -415,16 +619,103 @@ def test_every_role_grants_only_reading_configmaps() -> None:
         _check_rbac([manifest.body], str(manifest))
 
 
-@pytest.mark.parametrize("install", INSTALLS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_bindings_use_the_own_roles_and_service_accounts(install: Path) -> None:
-    _check_rbac(INSTALLS[install], str(install.relative_to(ROOT)))
+@pytest.mark.parametrize("install", INSTALLS)
+def test_bindings_use_the_own_roles_and_service_accounts(install: str) -> None:
+    _check_rbac(INSTALLS[install], install)
+
+
+# --- labels ------------------------------------------------------------------------
+
+
+def _label_sets(obj: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, str]]]:
+    """Where an object carries labels: its own, and its pods' for a workload."""
+    here = f"{obj['kind']}/{obj['metadata']['name']}"
+    yield here, obj["metadata"].get("labels", {})
+    if obj["kind"] in WORKLOAD_KINDS and obj["kind"] != "Pod":
+        yield f"{here} pod template", obj["spec"]["template"]["metadata"].get("labels", {})
+
+
+def _selectors(obj: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Every label selector of an object, as written (matchLabels form or a Service's map)."""
+    here = f"{obj['kind']}/{obj['metadata']['name']}"
+    spec = obj.get("spec", {})
+    if obj["kind"] == "Service":
+        yield f"{here} selector", {"matchLabels": spec.get("selector", {})}
+    elif obj["kind"] == "Deployment":
+        yield f"{here} selector", spec["selector"]
+    elif obj["kind"] == "NetworkPolicy":
+        yield f"{here} podSelector", spec["podSelector"]
+    elif obj["kind"] == "ServiceMonitor":
+        yield f"{here} selector", spec["selector"]
+
+
+def _check_labels(objects: Sequence[Obj], where: str) -> None:
+    """The full recommended label set, the same on every object; selectors on stable labels."""
+    expected: dict[str, str] | None = None
+    for obj in objects:
+        for here, labels in _label_sets(obj):
+            missing = [key for key in RECOMMENDED_LABELS if key not in labels]
+            assert not missing, f"{where}: {here} lacks {missing}"
+            own = {key: labels[key] for key in RECOMMENDED_LABELS}
+            for key, value in own.items():
+                valid = isinstance(value, str) and bool(value) and len(value) <= 63
+                assert valid and LABEL_VALUE.match(value), f"{where}: {here}: {key}={value!r}"
+            expected = own if expected is None else expected
+            assert own == expected, f"{where}: {here} has labels {own}, others {expected}"
+    assert expected is not None, f"{where}: no objects"
+    version = expected["app.kubernetes.io/version"]
+    assert version == jobsignal.__version__, f"{where}: version label {version}"
+    for obj in objects:
+        for here, selector in _selectors(obj):
+            assert not selector.get("matchExpressions"), f"{where}: {here} uses matchExpressions"
+            keys = set(selector.get("matchLabels", {}))
+            assert keys, f"{where}: {here} selects everything"
+            assert keys <= STABLE_LABELS, f"{where}: {here} uses {keys - STABLE_LABELS}"
+            assert "app.kubernetes.io/name" in keys, f"{where}: {here} without the name"
+        if obj["kind"] == "Deployment":
+            selector = obj["spec"]["selector"]["matchLabels"]
+            assert selector.items() <= _pod_labels(obj).items(), f"{where}: selects no own pod"
+
+
+@pytest.mark.parametrize("install", INSTALLS)
+def test_every_object_carries_the_recommended_labels(install: str) -> None:
+    _check_labels(INSTALLS[install], install)
+
+
+def test_label_check_catches_a_missing_label_and_an_unstable_selector() -> None:
+    """The check above is not vacuous."""
+    objects = copy.deepcopy(INSTALLS[_rel(KUBE / "base")])
+    _check_labels(objects, "as written")
+    service = next(o for o in objects if o["kind"] == "Service")
+    del service["metadata"]["labels"]["app.kubernetes.io/part-of"]
+    with pytest.raises(AssertionError, match=r"lacks.*part-of"):
+        _check_labels(objects, "without part-of")
+    objects = copy.deepcopy(INSTALLS[_rel(KUBE / "base")])
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    deployment["spec"]["selector"]["matchLabels"]["app.kubernetes.io/version"] = "0.1.0"
+    with pytest.raises(AssertionError, match="version"):
+        _check_labels(objects, "version in a selector")
 
 
 # --- workloads --------------------------------------------------------------------
 
 
+def _addresses(value: Any) -> list[tuple[str, int]]:
+    """A listen setting's HOST:PORT pairs: none (off), one, or several."""
+    if value is None:
+        return []
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], int):
+        return [value]
+    return [(str(host), int(port)) for host, port in value]
+
+
+def _container_config(obj: Mapping[str, Any], here: str) -> Config:
+    container = _jobsignal_container(obj)
+    return _serve_config(container.get("args", []), _env_values(container, here), here)
+
+
 def _check_workloads(objects: Sequence[Obj], where: str) -> None:
-    """Probes, security, resources and the serve configuration of every workload."""
+    """Probes, security, resources, shutdown and the serve configuration of every workload."""
     accounts = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ServiceAccount"}
     workloads = [o for o in objects if o["kind"] in WORKLOAD_KINDS]
     assert workloads, f"{where}: no workload"
@@ -475,38 +766,94 @@ def _check_jobsignal_container(obj: Mapping[str, Any], here: str) -> None:
     assert tag == jobsignal.__version__, f"{here}: image tag {tag} != {jobsignal.__version__}"
     assert "command" not in container, f"{here}: command overrides the image's ENTRYPOINT"
 
-    config = _serve_config(container.get("args", []), _env_values(container, here), here)
+    config = _container_config(obj, here)
     assert config.source == "kubernetes", f"{here}: must not fall back to the demo cluster"
     assert config.log_format == "json", f"{here}: logs must be JSON lines"
-    assert config.listen[1] == GRPC_PORT, f"{here}: listens on {config.listen}"
 
-    ports = container.get("ports", [])
-    assert {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"} in ports, here
+    ports = {port["name"]: port for port in container.get("ports", [])}
+    grpc = _addresses(config.listen)
+    assert grpc and all(port == GRPC_PORT for _, port in grpc), f"{here}: listens on {grpc}"
+    if all(host in LOOPBACK_HOSTS for host, _ in grpc):
+        # Only the pod's own containers can reach it: declaring it would mislead.
+        assert "grpc" not in ports, f"{here}: declares a grpc port it listens on loopback only"
+    else:
+        assert ports.get("grpc") == {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}
+
+    # Metrics on, on the pod IP: the kubelet's probes and Prometheus come from outside.
+    metrics = _addresses(config.metrics_listen)
+    assert metrics, f"{here}: metrics are off (set JOBSIGNAL_METRICS_LISTEN)"
+    for host, port in metrics:
+        assert host not in LOOPBACK_HOSTS, f"{here}: metrics on {host}, out of the kubelet's reach"
+        assert port == METRICS_PORT, f"{here}: metrics on port {port}"
+    metrics_port = {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}
+    assert ports.get("metrics") == metrics_port, f"{here}: no metrics port {metrics_port}"
 
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = container.get(kind)
         assert probe is not None, f"{here}: no {kind}"
         handlers = {"grpc", "httpGet", "tcpSocket", "exec"} & probe.keys()
-        assert handlers == {"grpc"}, f"{here}: {kind} must be a gRPC probe, not {handlers}"
-        # Port 8899, overall health ("" service): the only entry that turns
-        # SERVING once the first LIST is loaded and stays so.
-        assert probe["grpc"] == {"port": GRPC_PORT}, f"{here}: {kind}.grpc {probe['grpc']}"
+        # HTTP on the metrics port works under mutual TLS too (the kubelet
+        # has no client certificate for the gRPC port).
+        assert handlers == {"httpGet"}, f"{here}: {kind} must be an HTTP probe, not {handlers}"
+        get = probe["httpGet"]
+        assert get.get("port") == "metrics", f"{here}: {kind} not on the named metrics port"
+        assert get.get("scheme", "HTTP") == "HTTP", f"{here}: {kind}: metrics are plain HTTP"
+        assert str(get.get("path", "")).startswith("/"), f"{here}: {kind} has no path"
 
     # Liveness must not kill a pod whose first LIST is slow: the startup probe
-    # holds liveness back and gives the first LIST minutes; liveness itself
-    # tolerates a minute of missed answers.
+    # gives the first LIST minutes; liveness itself tolerates a minute of
+    # missed answers.
     startup, liveness = container["startupProbe"], container["livenessProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, f"{here}: startup"
     assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60, f"{here}: liveness"
 
+    annotations = obj["metadata"] if obj["kind"] == "Pod" else obj["spec"]["template"]["metadata"]
+    scrape = annotations.get("annotations", {})
+    assert scrape.get("prometheus.io/scrape") == "true", f"{here}: no prometheus.io/scrape"
+    assert scrape.get("prometheus.io/port") == str(METRICS_PORT), f"{here}: prometheus.io/port"
+    assert str(scrape.get("prometheus.io/path", "")).startswith("/"), f"{here}: prometheus.io/path"
+
+    _check_shutdown(_pod_spec(obj), container, config, here)
+
+
+def _check_shutdown(
+    spec: Mapping[str, Any], container: Mapping[str, Any], config: Config, here: str
+) -> None:
+    # The drain announces itself (health NOT_SERVING, /readyz 503) while still
+    # serving; a preStop sleep would hold SIGTERM back and keep health SERVING.
+    assert "preStop" not in container.get("lifecycle", {}), f"{here}: preStop before the drain"
+    grace = spec.get("terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE)
+    needed = config.drain_delay + config.shutdown_grace + TERMINATION_MARGIN
+    assert grace >= needed, (
+        f"{here}: terminationGracePeriodSeconds {grace} < drain {config.drain_delay:g}"
+        f" + shutdown grace {config.shutdown_grace:g} + {TERMINATION_MARGIN:g} s margin"
+    )
+
 
 @pytest.mark.parametrize(
     "install",
-    [p for p in INSTALLS if any(o["kind"] in WORKLOAD_KINDS for o in INSTALLS[p])],
-    ids=lambda p: str(p.relative_to(ROOT)),
+    [
+        name
+        for name, objects in INSTALLS.items()
+        if any(o["kind"] in WORKLOAD_KINDS for o in objects)
+    ],
 )
-def test_workloads_are_secure_probed_and_configured(install: Path) -> None:
-    _check_workloads(INSTALLS[install], str(install.relative_to(ROOT)))
+def test_workloads_are_secure_probed_and_configured(install: str) -> None:
+    _check_workloads(INSTALLS[install], install)
+
+
+@pytest.mark.parametrize(
+    ("env", "value"), [("JOBSIGNAL_DRAIN_DELAY", "30"), ("JOBSIGNAL_SHUTDOWN_GRACE", "25")]
+)
+def test_termination_grace_must_cover_a_longer_drain_or_grace(env: str, value: str) -> None:
+    """Raising the drain or the grace without terminationGracePeriodSeconds fails the check."""
+    objects = copy.deepcopy(INSTALLS[_rel(KUBE / "base")])
+    _check_workloads(objects, "as written")
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    entries = _jobsignal_container(deployment)["env"]
+    entries[:] = [e for e in entries if e["name"] != env] + [{"name": env, "value": value}]
+    with pytest.raises(AssertionError, match="terminationGracePeriodSeconds"):
+        _check_workloads(objects, f"{env}={value}")
 
 
 def test_no_setting_collides_with_service_link_variables() -> None:
@@ -515,43 +862,60 @@ def test_no_setting_collides_with_service_link_variables() -> None:
     assert not [env for env in ENV_VARS if service_links.match(env)]
 
 
+# Each Service port: the container port it must reach and its appProtocol.
+SERVICE_PORTS = {
+    "grpc": (GRPC_PORT, GRPC_APP_PROTOCOL),
+    "metrics": (METRICS_PORT, "http"),
+}
+
+
+def _selected_workloads(service: Mapping[str, Any], objects: Sequence[Obj]) -> list[Obj]:
+    selector = service["spec"].get("selector", {})
+    return [
+        o
+        for o in objects
+        if o["kind"] in WORKLOAD_KINDS and selector and selector.items() <= _pod_labels(o).items()
+    ]
+
+
 def _check_services(objects: Sequence[Obj], where: str) -> None:
-    workloads = [o for o in objects if o["kind"] in WORKLOAD_KINDS]
-    services = [o for o in objects if o["kind"] == "Service"]
-    for service in services:
+    for service in (o for o in objects if o["kind"] == "Service"):
         here = f"{where}: Service/{service['metadata']['name']}"
         spec = service["spec"]
         assert spec.get("type", "ClusterIP") == "ClusterIP", here
-        selector = spec["selector"]
-        selected = [w for w in workloads if selector.items() <= _pod_labels(w).items() and selector]
-        assert len(selected) == 1, f"{here}: selector {selector} matches {len(selected)} pods"
+        selected = _selected_workloads(service, objects)
+        assert len(selected) == 1, f"{here}: selector {spec['selector']} matches {len(selected)}"
         container = _jobsignal_container(selected[0])
         named = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert spec["ports"], here
+        assert sorted(p["name"] for p in spec["ports"]) == sorted(SERVICE_PORTS), here
         for port in spec["ports"]:
-            assert port["name"] == "grpc" and port["appProtocol"] == "grpc", here
-            assert port["port"] == GRPC_PORT, here
+            number, app_protocol = SERVICE_PORTS[port["name"]]
+            assert port["port"] == number, f"{here}: {port['name']} on {port['port']}"
+            assert port.get("appProtocol") == app_protocol, f"{here}: {port['name']} appProtocol"
             target = port.get("targetPort", port["port"])
-            resolved = named.get(target) if isinstance(target, str) else target
-            assert resolved == GRPC_PORT, f"{here}: targetPort {target!r} is no grpc port"
+            assert target == port["name"], f"{here}: targetPort {target!r}: use the named port"
+            assert named.get(target) == number, f"{here}: no container port {target!r}={number}"
+        # Behind a Service, new clients keep arriving until every proxy has
+        # seen the endpoint go: the drain must outlast that.
+        config = _container_config(selected[0], here)
+        assert config.drain_delay >= MIN_DRAIN_BEHIND_SERVICE, f"{here}: drain too short"
 
 
-@pytest.mark.parametrize("install", INSTALLS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_services_target_the_grpc_container_port(install: Path) -> None:
-    _check_services(INSTALLS[install], str(install.relative_to(ROOT)))
+@pytest.mark.parametrize("install", INSTALLS)
+def test_services_target_the_named_container_ports(install: str) -> None:
+    _check_services(INSTALLS[install], install)
 
 
 def test_base_has_exactly_one_service() -> None:
-    base = INSTALLS[KUBE / "base"]
+    base = INSTALLS[_rel(KUBE / "base")]
     assert [o["kind"] for o in base if o["kind"] == "Service"] == ["Service"]
     (deployment,) = [o for o in base if o["kind"] == "Deployment"]
     assert deployment["spec"]["replicas"] == 1
 
 
 def test_sidecar_example_client_talks_to_localhost() -> None:
-    (deployment,) = [
-        o for o in INSTALLS[KUBE / "examples" / "sidecar.yaml"] if o["kind"] in WORKLOAD_KINDS
-    ]
+    objects = INSTALLS[_rel(KUBE / "examples" / "sidecar.yaml")]
+    (deployment,) = [o for o in objects if o["kind"] in WORKLOAD_KINDS]
     spec = _pod_spec(deployment)
     others = [c for c in spec["containers"] if c["name"] != "jobsignal"]
     assert others, "the example has no client container next to jobsignal"
@@ -561,6 +925,149 @@ def test_sidecar_example_client_talks_to_localhost() -> None:
     # A native sidecar: starts before the client and lives as long as the pod.
     sidecars = [c for c in spec.get("initContainers", []) if c["name"] == "jobsignal"]
     assert [c.get("restartPolicy") for c in sidecars] == ["Always"]
+    # gRPC stays inside the pod; from outside only the metrics port is open.
+    config = _container_config(deployment, "sidecar")
+    assert {host for host, _ in _addresses(config.listen)} <= LOOPBACK_HOSTS
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= _pod_labels(deployment).items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    opened = [port for rule in policy["spec"].get("ingress", []) for port in rule["ports"]]
+    assert opened == [{"port": "metrics", "protocol": "TCP"}], opened
+
+
+# --- Prometheus -----------------------------------------------------------------------
+
+
+def _check_monitors(objects: Sequence[Obj], where: str) -> None:
+    """Each ServiceMonitor selects exactly one Service of the install, by its metrics port."""
+    services = [o for o in objects if o["kind"] == "Service"]
+    for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
+        here = f"{where}: ServiceMonitor/{monitor['metadata']['name']}"
+        spec = monitor["spec"]
+        # No namespaceSelector: the Service's namespace is the monitor's own.
+        assert "namespaceSelector" not in spec, f"{here}: looks in other namespaces"
+        selector = spec["selector"].get("matchLabels", {})
+        selected = [
+            s for s in services if selector.items() <= s["metadata"].get("labels", {}).items()
+        ]
+        assert len(selected) == 1, f"{here}: selects {len(selected)} Services"
+        (service,) = selected
+        assert len(_selected_workloads(service, objects)) == 1, f"{here}: Service selects no pod"
+        ports = {port["name"] for port in service["spec"]["ports"]}
+        for endpoint in spec["endpoints"]:
+            assert endpoint.get("port") == "metrics", f"{here}: scrapes {endpoint.get('port')!r}"
+            assert "metrics" in ports, f"{here}: the Service has no metrics port"
+            assert endpoint.get("scheme", "http") == "http", f"{here}: metrics are plain HTTP"
+
+
+def test_the_optional_component_adds_a_service_monitor() -> None:
+    for root in ROOT_KUSTOMIZATIONS:
+        assert not any(o["kind"] == "ServiceMonitor" for o in INSTALLS[_rel(root)]), root
+    assert COMPONENTS
+    for component in COMPONENTS:
+        kinds = [o["kind"] for o in _kustomize_resources(component)]
+        assert kinds == ["ServiceMonitor"], f"{_rel(component)}: {kinds}"
+
+
+@pytest.mark.parametrize("install", INSTALLS)
+def test_monitors_select_the_service_metrics_port(install: str) -> None:
+    _check_monitors(INSTALLS[install], install)
+
+
+def test_monitor_check_catches_a_wrong_port_and_selector() -> None:
+    """The check above is not vacuous."""
+    name = next(name for name in INSTALLS if "+" in name)
+    objects = copy.deepcopy(INSTALLS[name])
+    _check_monitors(objects, "as written")
+    monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
+    monitor["spec"]["endpoints"][0]["port"] = "grpc"
+    with pytest.raises(AssertionError, match="scrapes 'grpc'"):
+        _check_monitors(objects, "wrong port")
+    monitor["spec"]["endpoints"][0]["port"] = "metrics"
+    monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] = "other"
+    with pytest.raises(AssertionError, match="selects 0 Services"):
+        _check_monitors(objects, "wrong selector")
+
+
+def _served_paths() -> dict[str, set[str]]:
+    """The HTTP paths the manifests rely on, by what they are for."""
+    paths: dict[str, set[str]] = {
+        "startupProbe": set(),
+        "readinessProbe": set(),
+        "livenessProbe": set(),
+        "metrics": set(),
+    }
+    for manifest in MANIFESTS:
+        body = manifest.body
+        if manifest.kind in WORKLOAD_KINDS:
+            container = _jobsignal_container(body)
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                paths[kind].add(container[kind]["httpGet"]["path"])
+            meta = (
+                body["metadata"] if manifest.kind == "Pod" else body["spec"]["template"]["metadata"]
+            )
+            paths["metrics"].add(meta["annotations"]["prometheus.io/path"])
+        elif manifest.kind == "ServiceMonitor":
+            for endpoint in body["spec"]["endpoints"]:
+                paths["metrics"].add(endpoint.get("path", "/metrics"))
+    return paths
+
+
+async def _get(port: int, path: str) -> tuple[int, bytes]:
+    """One GET as the kubelet or Prometheus sends it; (status, body)."""
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                "User-Agent: kube-probe/1.37\r\nConnection: close\r\n\r\n".encode()
+            )
+            received = b""
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, body
+
+
+async def test_probe_and_scrape_paths_are_answered_as_each_needs() -> None:
+    """Against the real metrics server on 127.0.0.1, before the store is loaded,
+    once it is, and while draining: readiness and startup follow the state,
+    liveness and /metrics answer throughout."""
+    paths = _served_paths()
+    assert all(paths.values()), paths
+    registry = CollectorRegistry()
+    Gauge("jobsignal_probe_test", "A sample to find in the scrape.", registry=registry).set(7)
+    not_ready: list[str | None] = ["the job store is not loaded yet (first LIST pending)"]
+    answers: dict[str, dict[str, tuple[int, bytes]]] = {}
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(
+            partial(run_metrics_server, readiness=lambda: not_ready[0]),
+            "127.0.0.1",
+            0,
+            registry,
+        )
+        for state, reason in (("loading", not_ready[0]), ("ready", None), ("draining", "x")):
+            not_ready[0] = reason
+            answers[state] = {path: await _get(port, path) for path in set().union(*paths.values())}
+        nursery.cancel_scope.cancel()
+
+    def status(state: str, path: str) -> int:
+        return answers[state][path][0]
+
+    for path in paths["readinessProbe"] | paths["startupProbe"]:
+        # Startup too: it must hold the pod (and a sidecar's client) back
+        # until the first LIST is loaded.
+        assert [status(s, path) for s in ("loading", "ready")] == [503, 200], path
+    for path in paths["readinessProbe"]:
+        assert status("draining", path) == 503, path
+    for path in paths["livenessProbe"]:
+        # Neither a slow first LIST nor the drain may get the pod killed.
+        assert [status(s, path) for s in answers] == [200, 200, 200], path
+    for path in paths["metrics"]:
+        for state in answers:
+            code, body = answers[state][path]
+            assert code == 200 and b"jobsignal_probe_test 7.0" in body, (state, path, body)
 
 
 # --- the Dockerfile -------------------------------------------------------------
@@ -647,33 +1154,76 @@ def _render(directory: Path) -> list[Obj]:
     return _documents(result.stdout, f"kustomize build {directory}")
 
 
-def _root_kustomizations() -> Iterator[Path]:
-    """Kustomization directories that are installed (not only used as a base)."""
-    bases = {
-        (path.parent / entry).resolve()
-        for path in KUSTOMIZATIONS
-        for entry in _kustomization(path).get("resources", [])
-    }
-    for path in KUSTOMIZATIONS:
-        if path.parent.resolve() not in bases:
-            yield path.parent
-
-
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
-@pytest.mark.parametrize(
-    "directory", list(_root_kustomizations()), ids=lambda p: str(p.relative_to(ROOT))
-)
-def test_kustomize_build(directory: Path) -> None:
-    objects = _render(directory)
-    where = f"kustomize build {directory.relative_to(ROOT)}"
+def _check_rendered(objects: Sequence[Obj], where: str) -> None:
     for obj in objects:
         _validate_schema(obj, f"{where}: {obj['kind']}/{obj['metadata']['name']}")
     _check_rbac(objects, where)
     _check_workloads(objects, where)
     _check_services(objects, where)
+    _check_labels(objects, where)
+    _check_monitors(objects, where)
     namespaces = {o["metadata"]["namespace"] for o in objects if "namespace" in o["metadata"]}
     assert len(namespaces) == 1, f"{where}: objects in {namespaces}"
     for binding in (o for o in objects if o["kind"] in RBAC_BINDING_KINDS):
         assert {s["namespace"] for s in binding["subjects"]} == namespaces, binding
+
+
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed"
+)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("directory", ROOT_KUSTOMIZATIONS, ids=_rel)
+def test_kustomize_build(directory: Path) -> None:
+    objects = _render(directory)
+    _check_rendered(objects, f"kustomize build {_rel(directory)}")
+    assert not [o for o in objects if o["kind"] == "ServiceMonitor"], "the monitor is optional"
     if directory.name == "namespaced":
         assert not {"ClusterRole", "ClusterRoleBinding"} & {o["kind"] for o in objects}
+
+
+def _check_with_monitor(objects: Sequence[Obj], where: str) -> None:
+    _check_rendered(objects, where)
+    monitors = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 1, f"{where}: {len(monitors)} ServiceMonitors"
+    # In the install's namespace, the only one it looks in for the Service.
+    (service,) = [o for o in objects if o["kind"] == "Service"]
+    namespace = monitors[0]["metadata"].get("namespace")
+    assert namespace == service["metadata"]["namespace"], f"{where}: monitor in {namespace}"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("component", COMPONENTS, ids=_rel)
+@pytest.mark.parametrize("directory", ROOT_KUSTOMIZATIONS, ids=_rel)
+def test_kustomize_build_with_component_in_own_overlay(
+    directory: Path, component: Path, tmp_path: Path
+) -> None:
+    """Each install with the component added by an operator's own kustomization,
+    which must name the namespace: the install's own `namespace:` does not reach
+    a component added outside it."""
+    namespace = _kustomization(directory / "kustomization.yaml")["namespace"]
+    kustomization = {
+        "apiVersion": KUSTOMIZE_KINDS["Kustomization"],
+        "kind": "Kustomization",
+        "namespace": namespace,
+        "resources": [os.path.relpath(directory, tmp_path)],
+        "components": [os.path.relpath(component, tmp_path)],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    _check_with_monitor(_render(tmp_path), f"{_rel(directory)} + {_rel(component)}")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("directory", ROOT_KUSTOMIZATIONS, ids=_rel)
+def test_kustomize_build_with_the_commented_component_line(directory: Path, tmp_path: Path) -> None:
+    """The `components:` lines left commented in each install work once uncommented."""
+    copied = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, copied)
+    kustomization = copied / directory.relative_to(KUBE) / "kustomization.yaml"
+    text = kustomization.read_text()
+    hint = re.search(r"^# components:\n(#   - .+\n)+", text, re.MULTILINE)
+    assert hint, f"{_rel(directory)}: no commented components: lines"
+    uncommented = re.sub(r"^# ?", "", hint.group(0), flags=re.MULTILINE)
+    kustomization.write_text(text.replace(hint.group(0), uncommented))
+    _check_with_monitor(_render(kustomization.parent), f"{_rel(directory)}, uncommented")
