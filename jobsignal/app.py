@@ -23,7 +23,7 @@ import trio
 
 from jobsignal.config import Config, ConfigError
 from jobsignal.fanout import Broadcaster
-from jobsignal.kube.api import KubeApi
+from jobsignal.kube.api import KubeApi, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.demo import run_demo_cluster
 from jobsignal.kube.watcher import Watcher, WatchSettings
@@ -174,9 +174,9 @@ async def run_source(
                 default_namespace=None,
             )
         log.info("watching ConfigMaps via %s", connection.description)
-        base_url, verify, tokens = connection.base_url, connection.verify, connection.token_source
+        tokens = connection.token_source
         timeout = httpx.Timeout(10.0, read=config.read_timeout + 5)
-        async with httpx.AsyncClient(base_url=base_url, verify=verify, timeout=timeout) as client:
+        async with open_kube_client(connection, timeout=timeout) as client:
             api = KubeApi(client, tokens, read_timeout=config.read_timeout)
             watcher = Watcher(api, store, broadcaster, status, settings, credentials=tokens)
             await nursery.start(watcher.run)
