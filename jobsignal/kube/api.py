@@ -1,22 +1,28 @@
 """The Kubernetes API as the watcher needs it: paged LIST and WATCH of ConfigMaps.
 
-Raw HTTP through httpx. Every failure leaves this module as one of the
-`ApiError` classes below, so the watcher reasons about Kubernetes outcomes
-(gone, unauthorized, throttled, unavailable, malformed) and never about
-httpx, sockets or JSON.
+Raw HTTP through httpx. `open_kube_client` builds the client from a
+`KubeConnection`: TLS, the cluster's proxy, ``User-Agent: jobsignal/<version>``
+(so audit logs and API Priority and Fairness can tell jobsignal apart) and, for
+exec credential plugins, an httpx auth hook that fetches the credential before
+each request and drops it after a 401. Every failure leaves this module as one
+of the `ApiError` classes below, so the watcher reasons about Kubernetes
+outcomes (gone, unauthorized, throttled, unavailable, malformed) and never
+about httpx, sockets, JSON or plugins.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+import ssl
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import httpx
 import trio
 
-from jobsignal.kube.credentials import KubeConfigError
+from jobsignal.kube.credentials import KubeConfigError, KubeConnection, load_client_certificate
+from jobsignal.kube.exec_credentials import ExecCredentialError, ExecCredentials
 
 
 class ApiError(Exception):
@@ -84,6 +90,73 @@ def _retry_after(value: str | None) -> float | None:
     return max(0.0, min(seconds, 600.0))
 
 
+def user_agent() -> str:
+    """``jobsignal/<version>``: how the API server sees jobsignal."""
+    # Read at call time: this module is imported while the package initialises.
+    from jobsignal import __version__
+
+    return f"jobsignal/{__version__}"
+
+
+def open_kube_client(connection: KubeConnection, *, timeout: httpx.Timeout) -> httpx.AsyncClient:
+    """An httpx client for the API server *connection* describes; use it with ``async with``.
+
+    Without a ``proxy-url`` the usual proxy environment variables apply, as
+    for kubectl. With an exec plugin, connections are not kept alive: a
+    renewed client certificate must be presented by the very next request
+    (the API server checks it per request), and the watcher's few requests
+    gain little from reuse.
+    """
+    auth: httpx.Auth | None = None
+    limits = httpx.Limits()
+    if connection.exec_credentials is not None:
+        auth = ExecAuth(connection.exec_credentials, connection.verify)
+        limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.AsyncClient(
+        base_url=connection.base_url,
+        verify=connection.verify,
+        proxy=connection.proxy,
+        auth=auth,
+        headers={"User-Agent": user_agent()},
+        timeout=timeout,
+        limits=limits,
+    )
+
+
+class ExecAuth(httpx.Auth):
+    """Exec plugin credentials on each request: a bearer token and/or a client certificate.
+
+    The credential comes from `ExecCredentials` (cached, renewed before
+    expiry). A 401 drops it, so the next request runs the plugin again; the
+    refused request is not retried here (the caller backs off, as client-go's
+    callers do). A client certificate is loaded into the connection's
+    SSLContext, which applies to every handshake from then on.
+    """
+
+    def __init__(self, credentials: ExecCredentials, tls: ssl.SSLContext) -> None:
+        self._credentials = credentials
+        self._tls = tls
+        self._loaded: tuple[bytes, bytes] | None = None
+
+    def sync_auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response]:
+        raise RuntimeError("exec credentials need an async client (trio)")
+
+    async def async_auth_flow(
+        self, request: httpx.Request
+    ) -> AsyncGenerator[httpx.Request, httpx.Response]:
+        credential, _ = await self._credentials.get()
+        if credential.client_certificate is not None and credential.client_key is not None:
+            pair = (credential.client_certificate, credential.client_key)
+            if pair != self._loaded:
+                load_client_certificate(self._tls, *pair, self._credentials.plugin.label)
+                self._loaded = pair
+        if credential.token is not None:
+            request.headers["Authorization"] = f"Bearer {credential.token}"
+        response = yield request
+        if response.status_code == 401:
+            self._credentials.invalidate(credential)
+
+
 def configmaps_path(namespace: str | None) -> str:
     if namespace:
         return f"/api/v1/namespaces/{namespace}/configmaps"
@@ -122,6 +195,9 @@ class KubeApi:
                 )
         except (httpx.HTTPError, trio.TooSlowError, OSError) as error:
             raise ApiUnavailable(f"LIST failed: {_describe(error)}") from None
+        except (ExecCredentialError, KubeConfigError) as error:
+            # A plugin that failed now may work later (its identity provider was down).
+            raise ApiUnavailable(f"LIST failed: no credentials: {error}") from None
         if response.status_code != 200:
             raise _error_for(response.status_code, response.content, response.headers)
         try:
@@ -152,6 +228,8 @@ class KubeApi:
                 response = await self._client.send(request, stream=True)
         except (httpx.HTTPError, trio.TooSlowError, OSError) as error:
             raise ApiUnavailable(f"WATCH failed: {_describe(error)}") from None
+        except (ExecCredentialError, KubeConfigError) as error:
+            raise ApiUnavailable(f"WATCH failed: no credentials: {error}") from None
         try:
             if response.status_code != 200:
                 body = await _read_bounded(response)

@@ -10,10 +10,13 @@ cluster, user or field at fault, and never contains a secret.
 
 Supported: service-account token, CA and namespace; kubeconfig ``server``,
 ``certificate-authority(-data)``, ``insecure-skip-tls-verify``,
-``tls-server-name``, ``token``, ``tokenFile``, ``client-certificate(-data)`` and
-``client-key(-data)``; ``KUBECONFIG`` lists are merged like kubectl does.
-Not supported (rejected with a message): exec and auth-provider plugins,
-basic auth, ``proxy-url``.
+``tls-server-name``, ``proxy-url`` (http and https proxies), ``token``,
+``tokenFile``, ``client-certificate(-data)``, ``client-key(-data)`` and
+``exec`` credential plugins (checked here, run by kube.exec_credentials);
+``KUBECONFIG`` lists are merged like kubectl does. Not supported (rejected
+with a message rather than ignored): auth-provider plugins, basic auth,
+impersonation (``as``, ``as-uid``, ``as-groups``, ``as-user-extra``) and
+socks proxies.
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ import os
 import socket
 import ssl
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
+
+from jobsignal.kube.exec_credentials import API_VERSIONS, ExecCredentials, ExecPlugin, exec_info
+from jobsignal.logs import quote
 
 __all__ = [
     "SERVICE_ACCOUNT_ROOT",
@@ -39,6 +46,7 @@ __all__ = [
     "KubeConnection",
     "TokenSource",
     "discover",
+    "load_client_certificate",
     "load_in_cluster",
     "load_kubeconfig",
 ]
@@ -150,11 +158,13 @@ class TokenSource:
 class KubeConnection:
     """Everything needed to build an ``httpx.AsyncClient`` for the API server.
 
-    ``httpx.AsyncClient(base_url=conn.base_url, verify=conn.verify)``, plus an
-    ``Authorization: Bearer <conn.token_source.current()>`` header per request
-    when ``token_source`` is set. ``verify`` is always an SSLContext: it carries
-    the CA (or the system roots), the client certificate and key, the
-    ``tls-server-name`` override, or disabled verification.
+    ``httpx.AsyncClient(base_url=conn.base_url, verify=conn.verify,
+    proxy=conn.proxy)``, plus an ``Authorization: Bearer
+    <conn.token_source.current()>`` header per request when ``token_source`` is
+    set, or the credentials of ``exec_credentials`` (kube.api's
+    ``open_kube_client`` does all of it). ``verify`` is always an SSLContext:
+    it carries the CA (or the system roots), the client certificate and key,
+    the ``tls-server-name`` override, or disabled verification.
     """
 
     base_url: str
@@ -162,6 +172,10 @@ class KubeConnection:
     token_source: TokenSource | None
     description: str
     default_namespace: str | None
+    #: The cluster's ``proxy-url`` (it may hold proxy credentials: not for logs).
+    proxy: str | None = field(default=None, repr=False)
+    #: The user's exec credential plugin, run before requests as needed.
+    exec_credentials: ExecCredentials | None = None
 
 
 def load_in_cluster(
@@ -408,21 +422,29 @@ def _connect(cfg: _Config, context_name: str | None) -> KubeConnection:
             raise KubeConfigError(f"user {user_name!r} of {ctx_where} is not defined")
 
     base_url = _server_url(cluster, cluster_where)
-    tls_context, tls_note = _cluster_tls(cluster, cluster_where)
-    tokens: TokenSource | None = None
-    auth = "no credentials"
+    tls = _cluster_tls(cluster, cluster_where)
+    proxy = _proxy_url(cluster, cluster_where)
+    credentials = _Credentials(None, None, "no credentials")
     if user is not None and user_name:
-        tokens, auth = _user_credentials(user, user.where("user", user_name), tls_context)
+        credentials = _user_credentials(
+            user,
+            user.where("user", user_name),
+            tls.context,
+            partial(_exec_cluster, cluster, cluster_where, tls, proxy),
+        )
+    proxy_note = f", via proxy {_redact_url(proxy)}" if proxy else ""
 
     return KubeConnection(
         base_url=base_url,
-        verify=tls_context,
-        token_source=tokens,
+        verify=tls.context,
+        token_source=credentials.tokens,
         description=(
             f"kubeconfig {ctx.source} context {context_name!r} "
-            f"(server {base_url}{tls_note}, {auth})"
+            f"(server {base_url}{tls.note}{proxy_note}, {credentials.description})"
         ),
         default_namespace=_opt_str(ctx, "namespace", ctx_where),
+        proxy=proxy,
+        exec_credentials=credentials.exec_credentials,
     )
 
 
@@ -445,12 +467,20 @@ def _server_url(cluster: _Entry, where: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
 
 
-def _cluster_tls(cluster: _Entry, where: str) -> tuple[ssl.SSLContext, str]:
+@dataclass(frozen=True)
+class _ClusterTls:
+    context: ssl.SSLContext
+    #: For the connection's description: ", TLS verification disabled", ...
+    note: str
+    ca_pem: bytes | None
+    insecure: bool
+    server_name: str | None
+
+
+def _cluster_tls(cluster: _Entry, where: str) -> _ClusterTls:
     insecure = cluster.body.get("insecure-skip-tls-verify", False)
     if not isinstance(insecure, bool):
         raise KubeConfigError(f"{where}: insecure-skip-tls-verify is not true or false")
-    if cluster.body.get("proxy-url"):
-        raise KubeConfigError(f"{where} uses proxy-url, which jobsignal does not support")
     server_name = _opt_str(cluster, "tls-server-name", where)
 
     ca_pem: bytes | None = None
@@ -475,32 +505,139 @@ def _cluster_tls(cluster: _Entry, where: str) -> tuple[ssl.SSLContext, str]:
     if insecure:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-        return context, ", TLS verification disabled"
+        return _ClusterTls(context, ", TLS verification disabled", None, True, server_name)
     if ca_pem is not None:
         _load_ca(context, ca_pem, ca_label)
     else:
         context.load_default_certs()  # no CA configured: the system roots, as kubectl does
-    return context, f", TLS server name {server_name}" if server_name else ""
+    note = f", TLS server name {server_name}" if server_name else ""
+    return _ClusterTls(context, note, ca_pem, False, server_name)
+
+
+_PROXY_SCHEMES = ("http", "https")
+
+
+def _proxy_url(cluster: _Entry, where: str) -> str | None:
+    """The cluster's ``proxy-url``, checked; httpx sends every request through it."""
+    raw = _opt_str(cluster, "proxy-url", where)
+    if raw is None or not raw.strip():
+        return None
+    parts = urlsplit(raw.strip())
+    scheme = parts.scheme.lower()
+    if scheme.startswith("socks"):
+        raise KubeConfigError(
+            f"{where}: proxy-url uses {scheme}, which jobsignal does not support "
+            "(http and https proxies are)"
+        )
+    if scheme not in _PROXY_SCHEMES or not parts.hostname:
+        raise KubeConfigError(f"{where}: proxy-url is not an http(s) URL")
+    try:
+        _ = parts.port
+    except ValueError:
+        raise KubeConfigError(f"{where}: proxy-url has an invalid port") from None
+    return raw.strip()
+
+
+def _redact_url(url: str) -> str:
+    """*url* without user, password, path or query: safe for logs."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port is not None else ""
+    return f"{parts.scheme}://{host}{port}"
+
+
+def _exec_cluster(
+    cluster: _Entry, where: str, tls: _ClusterTls, proxy: str | None
+) -> dict[str, Any]:
+    """``spec.cluster`` of KUBERNETES_EXEC_INFO, for plugins with provideClusterInfo."""
+    info: dict[str, Any] = {"server": (_opt_str(cluster, "server", where) or "").strip()}
+    if tls.server_name:
+        info["tls-server-name"] = tls.server_name
+    if tls.insecure:
+        info["insecure-skip-tls-verify"] = True
+    if tls.ca_pem is not None:
+        # A []byte field in client-go's JSON: base64, also when the CA came from a file.
+        info["certificate-authority-data"] = base64.b64encode(tls.ca_pem).decode("ascii")
+    if proxy:
+        info["proxy-url"] = proxy
+    if cluster.body.get("disable-compression") is True:
+        info["disable-compression"] = True
+    extensions = cluster.body.get("extensions")
+    if extensions is not None:
+        if not isinstance(extensions, list):
+            raise KubeConfigError(f"{where}: extensions is not a list")
+        for extension in extensions:
+            # The extension reserved for exec plugins carries per-cluster plugin settings.
+            if isinstance(extension, dict) and extension.get("name") == _EXEC_EXTENSION:
+                if extension.get("extension") is not None:
+                    info["config"] = extension["extension"]
+                break
+    return info
+
+
+_EXEC_EXTENSION = "client.authentication.k8s.io/exec"
+
+
+@dataclass(frozen=True)
+class _Credentials:
+    """What a kubeconfig user authenticates with (a client certificate lives in the context)."""
+
+    tokens: TokenSource | None
+    exec_credentials: ExecCredentials | None
+    description: str
+
+
+_IMPERSONATION = ("as", "as-uid", "as-groups", "as-user-extra")
+_INTERACTIVE_MODES = ("Never", "IfAvailable", "Always")
 
 
 def _user_credentials(
-    user: _Entry, where: str, context: ssl.SSLContext
-) -> tuple[TokenSource | None, str]:
-    for plugin in ("exec", "auth-provider"):
-        if user.body.get(plugin):
-            raise KubeConfigError(
-                f"{where} uses an {plugin} plugin, which jobsignal does not support; "
-                "use a token, tokenFile or client certificate"
-            )
+    user: _Entry,
+    where: str,
+    context: ssl.SSLContext,
+    exec_cluster: Callable[[], dict[str, Any]],
+) -> _Credentials:
+    if user.body.get("auth-provider"):
+        raise KubeConfigError(
+            f"{where} uses an auth-provider plugin, which jobsignal does not support; "
+            "use an exec plugin, a token, tokenFile or client certificate"
+        )
     if user.body.get("username") or user.body.get("password"):
         raise KubeConfigError(
             f"{where} uses basic auth (username/password), which is not supported"
         )
+    if impersonation := [key for key in _IMPERSONATION if user.body.get(key)]:
+        # Refused, not ignored: requests would silently run with other permissions.
+        raise KubeConfigError(
+            f"{where} sets {', '.join(impersonation)} (impersonation), which jobsignal does "
+            "not support; grant the permissions to the user itself and remove the field"
+        )
+
+    token_file = _opt_str(user, "tokenFile", where)
+    token = _opt_str(user, "token", where)
+    exec_body = user.body.get("exec")
+    if exec_body:
+        static = [
+            name
+            for name, present in (
+                ("tokenFile", bool(token_file)),
+                ("token", bool(token and token.strip())),
+                ("a client certificate", _has_client_cert(user)),
+            )
+            if present
+        ]
+        if static:
+            raise KubeConfigError(
+                f"{where} sets both exec and {' and '.join(static)}; keep only one way "
+                "to authenticate"
+            )
+        plugin = ExecCredentials(_exec_plugin(user, exec_body, where, exec_cluster))
+        return _Credentials(None, plugin, plugin.description)
 
     notes: list[str] = []
     tokens: TokenSource | None = None
-    token_file = _opt_str(user, "tokenFile", where)
-    token = _opt_str(user, "token", where)
     if token_file:
         # client-go: when both are set, the file's contents take precedence.
         tokens = TokenSource.from_file(user.resolve(token_file))
@@ -517,7 +654,106 @@ def _user_credentials(
     if cert is not None and key is not None:
         _load_client_cert(context, cert, key, where)
         notes.append("client certificate")
-    return tokens, ", ".join(notes) or "no credentials"
+    return _Credentials(tokens, None, ", ".join(notes) or "no credentials")
+
+
+def _has_client_cert(user: _Entry) -> bool:
+    return any(
+        user.body.get(key)
+        for key in (
+            "client-certificate",
+            "client-certificate-data",
+            "client-key",
+            "client-key-data",
+        )
+    )
+
+
+def _exec_plugin(
+    user: _Entry, body: object, where: str, exec_cluster: Callable[[], dict[str, Any]]
+) -> ExecPlugin:
+    """The user's ``exec`` stanza, checked the way client-go reads it."""
+    if not isinstance(body, dict):
+        raise KubeConfigError(f"{where}: exec is not a mapping")
+    command = body.get("command")
+    if not isinstance(command, str) or not command.strip():
+        raise KubeConfigError(f"{where}: exec has no command")
+    command = command.strip()
+    label = f"exec plugin {command!r} of {where}"
+    supported = " or ".join(API_VERSIONS)
+    api_version = body.get("apiVersion")
+    if not api_version:
+        raise KubeConfigError(f"{label} has no apiVersion (use {supported})")
+    if api_version not in API_VERSIONS:
+        raise KubeConfigError(
+            f"{label}: apiVersion {quote(api_version)} is not supported (use {supported})"
+        )
+    args = body.get("args")
+    if args is None:
+        args = []
+    if not isinstance(args, list) or not all(isinstance(arg, str) for arg in args):
+        raise KubeConfigError(f"{label}: args is not a list of strings")
+    mode = body.get("interactiveMode")
+    # Missing means IfAvailable, as for v1beta1; with no terminal it behaves like Never.
+    if mode is not None and mode not in _INTERACTIVE_MODES:
+        raise KubeConfigError(
+            f"{label}: interactiveMode {quote(mode)} is not Never, IfAvailable or Always"
+        )
+    if mode == "Always":
+        raise KubeConfigError(
+            f"{label} has interactiveMode Always, but jobsignal runs without a terminal "
+            "(no standard input); configure the plugin to work without a prompt "
+            "(interactiveMode Never or IfAvailable)"
+        )
+    provide_cluster_info = body.get("provideClusterInfo", False)
+    if not isinstance(provide_cluster_info, bool):
+        raise KubeConfigError(f"{label}: provideClusterInfo is not true or false")
+    hint = body.get("installHint")
+    if hint is not None and not isinstance(hint, str):
+        raise KubeConfigError(f"{label}: installHint is not a string")
+    if os.sep in command and not os.path.isabs(command):
+        # client-go resolves a relative path (not a bare name) against the kubeconfig.
+        command = str(user.resolve(command))
+    return ExecPlugin(
+        command=command,
+        args=tuple(args),
+        env=_exec_env(body.get("env"), label),
+        api_version=api_version,
+        exec_info=exec_info(api_version, exec_cluster() if provide_cluster_info else None),
+        label=label,
+        install_hint=hint or None,
+    )
+
+
+def _exec_env(env: object, label: str) -> tuple[tuple[str, str], ...]:
+    if env is None:
+        return ()
+    if not isinstance(env, list):
+        raise KubeConfigError(f"{label}: env is not a list of name/value pairs")
+    pairs: list[tuple[str, str]] = []
+    for i, item in enumerate(env):
+        name = item.get("name") if isinstance(item, dict) else None
+        value = item.get("value") if isinstance(item, dict) else None
+        # Values are not quoted back: plugins take secrets through env.
+        if not isinstance(name, str) or not name or "=" in name or not isinstance(value, str):
+            raise KubeConfigError(f"{label}: env[{i}] needs a name and a string value")
+        pairs.append((name, value))
+    return tuple(pairs)
+
+
+def load_client_certificate(
+    context: ssl.SSLContext, cert_pem: bytes, key_pem: bytes, label: str
+) -> None:
+    """Load a PEM client certificate and key into *context* (replacing any before).
+
+    For credentials that arrive at run time (exec plugins); errors name *label*.
+    """
+    _load_client_cert(
+        context,
+        _Pem(cert_pem, None, f"client certificate from {label}"),
+        _Pem(key_pem, None, f"client key from {label}"),
+        label,
+    )
 
 
 @dataclass(frozen=True)

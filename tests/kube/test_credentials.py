@@ -541,14 +541,19 @@ BROKEN: list[tuple[str, BrokenCase, str]] = [
         f"{C}: insecure-skip-tls-verify is not true or false",
     ),
     (
-        "proxy-url",
-        _with(cluster={"server": SERVER, "proxy-url": "http://proxy:3128"}),
-        f"{C} uses proxy-url, which jobsignal does not support",
+        "proxy-url-socks",
+        _with(cluster={"server": SERVER, "proxy-url": "socks5://proxy:1080"}),
+        f"{C}: proxy-url uses socks5, which jobsignal does not support (http and https",
     ),
     (
-        "exec",
+        "exec-without-api-version",
         _with(user={"exec": {"command": "aws", "args": ["eks", "get-token"]}}),
-        f"{U} uses an exec plugin, which jobsignal does not support",
+        f"exec plugin 'aws' of {U} has no apiVersion (use client.authentication.k8s.io/v1",
+    ),
+    (
+        "impersonation",
+        _with(user={"token": TOKEN, "as": "admin", "as-groups": ["system:masters"]}),
+        f"{U} sets as, as-groups (impersonation), which jobsignal does not support",
     ),
     (
         "auth-provider",

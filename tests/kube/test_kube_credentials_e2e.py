@@ -26,6 +26,7 @@ import trio
 import trio.testing
 import trustme
 
+import jobsignal
 from jobsignal.app import choose_connection, run_source
 from jobsignal.config import ConfigError, load_config
 from jobsignal.fanout import Broadcaster
@@ -111,6 +112,7 @@ async def test_token_from_kubeconfig(
             cluster.write(JOB, "complete")
             await source.holds(cluster)
         assert {r.authorization for r in emu.requests} == {f"Bearer {TOKEN}"}
+        assert {r.user_agent for r in emu.requests} == {f"jobsignal/{jobsignal.__version__}"}
         assert emu.stats.unauthorized == 0
 
 
@@ -350,11 +352,18 @@ BROKEN: dict[str, tuple[str | None, str]] = {
         "clusters:\n- name: k\n  cluster: {}\nusers:\n- name: u\n  user: {}\n",
         "has no server",
     ),
-    "exec-plugin": (
+    "exec-plugin-interactive": (
         "current-context: c\ncontexts:\n- name: c\n  context: {cluster: k, user: u}\n"
         "clusters:\n- name: k\n  cluster: {server: 'https://127.0.0.1:6443'}\n"
-        "users:\n- name: u\n  user: {exec: {command: aws}}\n",
-        "exec plugin",
+        "users:\n- name: u\n  user: {exec: {command: kubelogin, interactiveMode: Always,"
+        " apiVersion: client.authentication.k8s.io/v1beta1}}\n",
+        "exec plugin 'kubelogin' of user 'u'",
+    ),
+    "impersonation": (
+        "current-context: c\ncontexts:\n- name: c\n  context: {cluster: k, user: u}\n"
+        "clusters:\n- name: k\n  cluster: {server: 'https://127.0.0.1:6443'}\n"
+        f"users:\n- name: u\n  user: {{token: {TOKEN}, as: admin}}\n",
+        "sets as (impersonation)",
     ),
     "missing-token-file": (
         "current-context: c\ncontexts:\n- name: c\n  context: {cluster: k, user: u}\n"

@@ -169,6 +169,9 @@ class RequestRecord:
     #: "list", "watch", or the lower-case method for other requests ("post", ...).
     kind: str
     authorization: str | None
+    user_agent: str | None = None
+    #: The commonName of the client certificate the connection presented, if any.
+    client_certificate: str | None = None
 
 
 # ---------------------------------------------------------------------- the emulator
@@ -289,6 +292,14 @@ class KubeEmulator:
                 await trio.aclose_forcefully(conn_stream)
 
 
+def _peer_common_name(stream: trio.abc.Stream) -> str | None:
+    if not isinstance(stream, trio.SSLStream):
+        return None
+    peer = stream.getpeercert() or {}
+    names = [value for rdn in peer.get("subject", ()) for key, value in rdn if key == "commonName"]
+    return str(names[0]) if names else None
+
+
 class _Dropped(Exception):
     """Raised to abandon a connection without ending the response."""
 
@@ -398,6 +409,7 @@ class _Connection:
         # A connection to the server before a simulated restart takes no new requests.
         self.epoch = emulator.state.epoch
         self._client_closed = False
+        self.client_certificate = _peer_common_name(stream)
 
     async def serve(self) -> None:
         while self.emu.state.epoch == self.epoch:
@@ -479,6 +491,9 @@ class _Connection:
         authorization = next(
             (v.decode("latin-1") for k, v in head.headers if k == b"authorization"), None
         )
+        user_agent = next(
+            (v.decode("latin-1") for k, v in head.headers if k == b"user-agent"), None
+        )
         is_collection = bool(_COLLECTION_ALL.match(path) or _COLLECTION_NS.match(path))
         kind = method.lower()
         if method == "GET" and is_collection:
@@ -488,7 +503,11 @@ class _Connection:
             emu.stats.list_requests += 1
         elif kind == "watch":
             emu.stats.watch_requests += 1
-        emu.requests.append(RequestRecord(method, path, params, kind, authorization))
+        emu.requests.append(
+            RequestRecord(
+                method, path, params, kind, authorization, user_agent, self.client_certificate
+            )
+        )
         emu._bump()
 
         if not emu._authorized(authorization):
