@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.run import ATTACKS
+
 REPO = Path(__file__).resolve().parents[1]
 # The summary table's first column starts with one of these per scenario.
 SCENARIO_ROWS = (
@@ -23,6 +25,8 @@ SCENARIO_ROWS = (
     "Large job",
     "Ingest",
     "Slow clients",
+    "Under attack",
+    "Big and small",
 )
 PLOTS = ("fanout.png", "latency.png", "memory.png", "slow.png")
 
@@ -46,6 +50,11 @@ def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
     for scenario in SCENARIO_ROWS:
         assert any(row.startswith(f"| {scenario}") for row in rows), scenario
     assert "scenario failed" not in report
+    # The scenarios without a reference figure ran every step, not only their row.
+    attacks = results["attack"]["attacks"]
+    assert [row["attack"] for row in attacks] == list(ATTACKS)
+    assert all(row["attacker"]["connections"] >= 1 for row in attacks)
+    assert len(results["big_and_small"]["phases"]) == 2
     for section in ("## Machine", "## Targets", "## Where the time goes", "## Method"):
         assert section in report
     if importlib.util.find_spec("matplotlib") is not None:
