@@ -88,10 +88,15 @@ class Plugin:
         args = [str(PLUGIN), str(self.plan), *extra.pop("args", [])]
         return {"apiVersion": api_version, "command": sys.executable, "args": args, **extra}
 
-    def cert_files(self, cert: trustme.LeafCert, name: str) -> dict[str, str]:
+    def cert_files(
+        self, cert: trustme.LeafCert, name: str, *, chain: bytes | None = None
+    ) -> dict[str, str]:
+        """PEM files for a response's cert_file and key_file (*chain* replaces the chain)."""
         cert_path = self.directory / f"{name}.crt"
         key_path = self.directory / f"{name}.key"
-        cert_path.write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
+        if chain is None:
+            chain = b"".join(pem.bytes() for pem in cert.cert_chain_pems)
+        cert_path.write_bytes(chain)
         key_path.write_bytes(cert.private_key_pem.bytes())
         return {"cert_file": str(cert_path), "key_file": str(key_path)}
 
@@ -590,6 +595,28 @@ async def test_plugin_failure_is_a_retryable_api_error(tmp_path: Path, plugin: P
             assert emu.stats.requests == 0  # nothing was sent without credentials
             await api.list_page(None, {})
     assert emu.stats.requests == 1
+
+
+async def test_unusable_certificate_from_plugin_is_a_retryable_api_error(
+    tmp_path: Path, plugin: Plugin, ca: trustme.CA
+) -> None:
+    plugin.respond(plugin.cert_files(ca.issue_cert("d"), "bad", chain=b"not a certificate"))
+    async with open_emulator(ssl_context=https_context(ca)) as emu:
+        connection = exec_connection(
+            tmp_path,
+            plugin,
+            emu.url,
+            cluster={"certificate-authority-data": b64(ca.cert_pem.bytes())},
+        )
+        async with open_api(connection) as api:
+            with pytest.raises(ApiUnavailable) as raised:
+                await api.list_page(None, {})
+    assert str(raised.value) == (
+        "LIST failed: no credentials: client certificate from exec plugin "
+        f"{sys.executable!r} of user 'jobsignal' in kubeconfig {tmp_path}/config "
+        "is not a PEM certificate"
+    )
+    assert emu.stats.connections == 0
 
 
 async def test_client_certificate_from_plugin_is_renewed_before_expiry(
