@@ -158,7 +158,8 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
                 "metrics_listen": "127.0.0.1:0",
                 "kubeconfig": str(kubeconfig_for(emulator, tmp_path / "config")),
                 "source": "kubernetes",
-                "idle_timeout": "1.5",
+                # Long enough for the silent subscriber to get all three events first.
+                "idle_timeout": "2",
                 "keepalive_time": "30",
                 "max_connections": "2",
             },
