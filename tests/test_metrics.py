@@ -161,6 +161,8 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
                 # Long enough for the silent subscriber to get all three events first.
                 "idle_timeout": "2",
                 "keepalive_time": "30",
+                # The pinging subscriber's 0.5 s is within the rules (no too_many_pings).
+                "min_client_ping_interval": "0.25",
                 "max_connections": "2",
             },
             {},
