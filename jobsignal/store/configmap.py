@@ -193,6 +193,8 @@ def parse_slice(configmap: Mapping[str, Any]) -> Slice:
         sid=text("sid"),
     )
     hccl_raw = text("hccl.json")
+    if not hccl_raw.strip():
+        hccl_raw = ""  # blank means no table: never serve whitespace as JSON
     # Only a job split over several ConfigMaps needs its table taken apart.
     header, servers, npu_count = _parse_rank_table(ref, hccl_raw, split=total > 1)
     return Slice(ref, fields, cm_index, hccl_raw, header, servers, npu_count)

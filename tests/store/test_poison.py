@@ -145,6 +145,16 @@ def test_valid_escapes_and_unicode_are_kept(text: str, shape: str) -> None:
     assert names[0] == json.loads('"' + text.split(':"', 1)[1] + '0"')
 
 
+@pytest.mark.parametrize("blank", ["\r", " \n\t", "\u2003"])
+def test_a_blank_rank_table_is_served_as_none(blank: str) -> None:
+    # Found by the property test: a single-ConfigMap job served "\r" as its table.
+    name, data = single_job().configmaps("running")[0]
+    [event] = (
+        JobStore().apply(ADDED, configmap("ns", name, {**data, "hccl.json": blank}), NOW).events
+    )
+    assert event.hccl_json == "" and event.npu_count == 0
+
+
 def test_nesting_up_to_the_bound_is_accepted() -> None:
     def table(depth: int) -> str:
         # The table itself is level 1; "x" adds depth - 1 levels.
