@@ -32,7 +32,7 @@ import trio.lowlevel
 
 # Environment variable naming the directory holding job_pb2 / job_pb2_grpc.
 STUBS_ENV = "BENCH_GRPCIO_STUBS"
-# ClusterD's role whitelist (DESIGN.md section 2).
+# ClusterD's role whitelist (docs/architecture.md section 2).
 ROLES = ("CCAgent", "DefaultUser1", "DefaultUser2", "FdAgent")
 # Role every benchmark subscriber uses: no snapshot on subscribe in either server.
 ROLE = "CCAgent"

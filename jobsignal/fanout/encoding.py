@@ -4,8 +4,8 @@
 `JobSummarySignalList` is composed from already-encoded signals: a repeated
 message field is just each element's bytes behind a tag and a length, so a
 snapshot of thousands of jobs costs a byte join instead of thousands of
-re-encodes (tests/fanout/test_encoding.py checks it against the generated
-parser).
+re-encodes (tests/fanout/test_fanout.py::test_composed_list_equals_generated_encoding
+checks it against the generated parser).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ClusterD's side of the contract: job-summary ConfigMaps as ClusterD writes them.
 
 Used by the demo cluster and the tests to produce realistic input
-(DESIGN.md section 4): names `job-summary-<job>` and `job-summary-<job>-<i>`,
+(docs/architecture.md section 4): names `job-summary-<job>` and `job-summary-<job>-<i>`,
 the two labels, the data keys, and a rank table split over several
 ConfigMaps, each holding the full header and a slice of `server_list`.
 """

@@ -1,7 +1,8 @@
 """Per-connection activity: client heartbeats (HTTP/2 PINGs) and the ping-flood rule.
 
 A client's PING on a connection counts as a heartbeat for every subscription
-on that connection (docs/architecture.md, "The idle rule"). As in grpc-go and
+on that connection (docs/architecture.md
+section 3, "The idle rule and keepalive"). As in grpc-go and
 gRPC core, a PING counts against the client only while no data flows: every
 DATA or HEADERS frame the server sends on the connection (`note_sent`, called
 per frame by `rpc.connections`) forgives the strikes, because clients ping

@@ -1,8 +1,9 @@
 """The grpclib codec: pre-encoded bytes pass through, messages encode as usual.
 
 Job events are encoded once by the broadcaster and handed to grpclib as bytes
-(DESIGN.md section 8); Register replies, health and reflection messages are
-ordinary protobuf/betterproto2 objects. Request decoding failures become
+(docs/architecture.md section 6, "Fan-out and slow clients"); Register
+replies, health and reflection messages are ordinary protobuf/betterproto2
+objects. Request decoding failures become
 INVALID_ARGUMENT here, at the boundary, instead of a generic UNKNOWN.
 """
 

@@ -16,8 +16,8 @@ the peer broke, if any; the protocol then sends GOAWAY ENHANCE_YOUR_CALM.
   connection) and grpc-go pings with them (BDP estimation).
 
 These are what grpc-go, gRPC core, nginx and Envoy bound too; the defaults
-are far above what any real client sends (see docs/architecture.md, "Hostile
-input").
+are far above what any real client sends (see docs/architecture.md
+section 7, "Hostile input and fault boundaries").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `run_grpc_server` is a trio task for `nursery.start`: it reports the bound
 address once the port accepts connections, serves until `shutdown` is set,
-then stops in the order DESIGN.md section 8 requires: end every live stream
+then stops in the order docs/architecture.md section 8 explains: end every live stream
 with UNAVAILABLE "server shutting down", give them the grace period to
 flush, close the server, then close any connection still open.
 """
@@ -77,7 +77,7 @@ class RunningServer:
 
 
 def _grpclib_config(settings: ServerSettings) -> Configuration:
-    # Server pings find dead peers (DESIGN.md 6); keep pinging quiet
+    # Server pings find dead peers (docs/architecture.md section 3); keep pinging quiet
     # connections, since a quiet subscription is exactly what must be checked.
     return Configuration(
         _keepalive_time=settings.keepalive_time,

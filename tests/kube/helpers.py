@@ -1,6 +1,6 @@
 """Shared helpers for the Kubernetes source tests (watcher, end to end, credentials).
 
-- `Cluster` plays ClusterD against the emulator's store (DESIGN.md section 4)
+- `Cluster` plays ClusterD against the emulator's store (docs/architecture.md section 4)
   and remembers every state each job went through, so a test can check that
   what a client saw is a faithful (possibly relist-compressed) replay of it;
 - `expected_summary` / `cluster_jobs` compute what a client must hold, from
@@ -148,7 +148,7 @@ class Cluster:
         self._record()
 
     def delete_configmap(self, namespace: str, name: str) -> None:
-        """Delete one ConfigMap by hand: its job ends (DESIGN.md section 4)."""
+        """Delete one ConfigMap by hand: its job ends (docs/architecture.md section 4)."""
         ended = self._job_of(namespace, name)
         self.state.delete_configmap(namespace, name)
         self._record(ended)

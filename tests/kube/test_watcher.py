@@ -1,6 +1,6 @@
 """The watcher against the Kubernetes API emulator, over real 127.0.0.1 HTTP.
 
-One test per rule of DESIGN.md section 5 (LIST then WATCH, paging, resume,
+One test per rule of docs/architecture.md section 5 (LIST then WATCH, paging, resume,
 bookmarks, 410 in both forms, dropped / stalled / malformed streams, backoff,
 429, 401, restarts with a history gap, namespaces, readiness, the label
 selector). Every test observes what a client would: the frames a Broadcaster

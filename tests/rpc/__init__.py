@@ -38,7 +38,7 @@ from jobsignal.store.model import JobSummary
 
 T = TypeVar("T")
 
-# ClusterD's role whitelist (DESIGN.md section 2).
+# ClusterD's role whitelist (docs/architecture.md section 2).
 ROLES = ("CCAgent", "DefaultUser1", "DefaultUser2", "FdAgent")
 
 
@@ -168,7 +168,7 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run a blocking grpcio call in a worker thread.
 
     The thread is abandoned if the test is cancelled; every grpcio call here
-    carries a deadline and the `grpc_channels` fixture closes its channel, so
+    carries a deadline and the `grpc_clients` fixture (tests/conftest.py) closes every channel, so
     an abandoned thread still ends.
     """
     return await trio.to_thread.run_sync(

@@ -1,4 +1,4 @@
-"""The idle rule (DESIGN.md section 3) in virtual time, with the production 120 s."""
+"""The idle rule (docs/architecture.md section 3) in virtual time, with the production 120 s."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The job.Job contract (DESIGN.md section 2) as the official grpcio client sees it.
+"""The job.Job contract (docs/architecture.md section 2) as the official grpcio client sees it.
 
 Also health (NOT_SERVING until the first LIST), reflection, and graceful
 shutdown. Health and reflection use grpcio-health-checking and
@@ -33,7 +33,7 @@ from . import (
     wait_until,
 )
 
-BATCH_NPUS = 40_000  # DESIGN.md section 2
+BATCH_NPUS = 40_000  # docs/architecture.md section 2
 
 
 def assert_uuid4(value: str) -> None:

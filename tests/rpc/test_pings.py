@@ -1,4 +1,4 @@
-"""Client PINGs as heartbeats, the idle rule, and ping floods (DESIGN.md sections 3 and 8).
+"""Client PINGs as heartbeats, idle rule, ping floods (docs/architecture.md sections 3, 8).
 
 These run on the real clock with short timeouts. grpcio's core sends at most
 about one keepalive PING per second, whatever `grpc.keepalive_time_ms` says,

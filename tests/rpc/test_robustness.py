@@ -1,4 +1,4 @@
-"""Slow, stuck, vanished and malformed clients (DESIGN.md section 6).
+"""Slow, stuck, vanished and malformed clients (docs/architecture.md sections 6 and 7).
 
 One stalled reader among fifty must not delay the others and is cut off;
 clients that disconnect or die release their subscription; peers that go

@@ -1,4 +1,4 @@
-"""JobStore: ConfigMap events in, exactly the right job events out (DESIGN.md section 4)."""
+"""JobStore: ConfigMap events in, the right job events out (docs/architecture.md section 4)."""
 
 from __future__ import annotations
 
