@@ -31,6 +31,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from jobsignal.metrics_server import HTTP_ERROR_REASONS
 from jobsignal.store.configmap import REASONS as CONFIGMAP_REJECTION_REASONS
 
 if TYPE_CHECKING:  # the watcher imports the fan-out, which imports this module
@@ -39,9 +40,6 @@ if TYPE_CHECKING:  # the watcher imports the fan-out, which imports this module
 # Seconds from the watcher seeing an event to its bytes being handed to the
 # client's connection: sub-millisecond to a slow client's many seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-
-# Why a metrics-port connection ended in a fault (HttpStats.errors keys).
-HTTP_ERROR_REASONS = ("bad_request", "headers_too_large", "timeout", "internal")
 
 
 class Histogram:

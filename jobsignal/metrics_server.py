@@ -54,6 +54,10 @@ ALLOWED_METHODS = "GET, HEAD"
 METRICS_VARY = "Accept, Accept-Encoding"
 
 
+# Why a connection ended in a fault: the keys of HttpStats.errors.
+HTTP_ERROR_REASONS = ("bad_request", "headers_too_large", "timeout", "internal")
+
+
 @dataclass
 class HttpStats:
     """Connections ended by a fault, by reason.
