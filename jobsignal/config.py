@@ -56,13 +56,23 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}")
-        return text
+class _Choice:
+    """Parses one word of `choices`; with `any_case`, INFO and Info are info."""
 
-    return parse
+    def __init__(self, choices: tuple[str, ...], any_case: bool) -> None:
+        self.choices = choices
+        self.any_case = any_case
+
+    def __call__(self, text: str) -> str:
+        word = text.lower() if self.any_case else text
+        if word not in self.choices:
+            case = " (in any case)" if self.any_case else ""
+            raise ValueError(f"must be one of {', '.join(self.choices)}{case}")
+        return word
+
+
+def _choice(*choices: str, any_case: bool = False) -> _Choice:
+    return _Choice(choices, any_case)
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -273,7 +283,12 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         " are still served, so load balancers stop sending new clients, before the shutdown",
     ),
     Setting("shutdown_grace", "5", _positive_float, "seconds streams get to end on shutdown"),
-    Setting("log_level", "info", _choice("debug", "info", "warning", "error"), "log level"),
+    Setting(
+        "log_level",
+        "info",
+        _choice("debug", "info", "warning", "error", any_case=True),
+        "log level",
+    ),
     Setting("log_format", "text", _choice("text", "json"), "log format: text or json lines"),
 )
 

@@ -1,18 +1,24 @@
-"""Logging: set-up (readable lines, or one JSON object per line), and the two
-helpers every fault boundary uses: `quote` bounds how much of an untrusted
-value reaches a log line, `RateLimitedLog` bounds how many lines one kind of
-fault can write, so a hostile peer cannot flood the log.
+"""Logging: set-up (readable lines, or one JSON object per line), and the
+helpers every fault boundary uses: `quote` and `clip` bound how much of an
+untrusted value reaches a log line, `RateLimitedLog` bounds how many lines one
+kind of fault can write, so a hostile peer cannot flood the log.
+
+Both formats stamp lines in UTC, RFC 3339 with milliseconds
+(2026-12-01T09:00:00.123Z). JSON lines carry a record's `extra` fields as keys
+(`event`, `role`, `client_id`, `peer`, `reason`, ...), so a log pipeline need
+not parse the message text.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import trio
+from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
 QUOTE_LIMIT = 200
 
@@ -23,6 +29,11 @@ def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}...({len(text) - limit} more characters)"
+
+
+def clip(value: str, limit: int = QUOTE_LIMIT) -> str:
+    """An untrusted string for a structured log field: at most `limit` characters."""
+    return value if len(value) <= limit else value[:limit] + "..."
 
 
 def _now() -> float:
@@ -71,21 +82,41 @@ class RateLimitedLog:
         return True, reported
 
     def log(
-        self, level: int, key: str, message: str, *args: object, exc_info: bool = False
+        self,
+        level: int,
+        key: str,
+        message: str,
+        *args: object,
+        exc_info: bool = False,
+        extra: Mapping[str, object] | None = None,
     ) -> bool:
         """Log unless `key` is over its budget; True when the line was written."""
         admitted, suppressed = self.admit(key)
         if suppressed:
             self.logger.log(level, "%s: %d similar messages suppressed", key, suppressed)
         if admitted:
-            self.logger.log(level, message, *args, exc_info=exc_info)
+            self.logger.log(level, message, *args, exc_info=exc_info, extra=extra)
         return admitted
 
-    def warning(self, key: str, message: str, *args: object, exc_info: bool = False) -> bool:
-        return self.log(logging.WARNING, key, message, *args, exc_info=exc_info)
+    def warning(
+        self,
+        key: str,
+        message: str,
+        *args: object,
+        exc_info: bool = False,
+        extra: Mapping[str, object] | None = None,
+    ) -> bool:
+        return self.log(logging.WARNING, key, message, *args, exc_info=exc_info, extra=extra)
 
-    def error(self, key: str, message: str, *args: object, exc_info: bool = False) -> bool:
-        return self.log(logging.ERROR, key, message, *args, exc_info=exc_info)
+    def error(
+        self,
+        key: str,
+        message: str,
+        *args: object,
+        exc_info: bool = False,
+        extra: Mapping[str, object] | None = None,
+    ) -> bool:
+        return self.log(logging.ERROR, key, message, *args, exc_info=exc_info, extra=extra)
 
 
 class RateLimitFilter(logging.Filter):
@@ -107,26 +138,50 @@ class RateLimitFilter(logging.Filter):
         return admitted
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+def utc_timestamp(record: logging.LogRecord) -> str:
+    """When `record` was made, in UTC: 2026-12-01T09:00:00.123Z (RFC 3339)."""
+    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{seconds}.{int(record.msecs):03d}Z"
+
+
+class TextFormatter(logging.Formatter):
+    """`2026-12-01T09:00:00.123Z INFO    jobsignal.app: message`, whatever the local zone."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return utc_timestamp(record)
+
+
+class JsonFormatter(_LibraryJsonFormatter):
+    """One JSON object per line: `time`, `level`, `logger`, `message`, the record's
+    `extra` fields as keys, and `error` (the traceback) when there is one."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "%(message)s",
+            rename_fields={"exc_info": "error", "stack_info": "stack"},
+            json_ensure_ascii=False,
+        )
+
+    def add_fields(
+        self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
+    ) -> None:
+        envelope = {
+            "time": utc_timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
         }
-        if record.exc_info:
-            entry["error"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
+        log_data.update(envelope)  # first in every line
+        super().add_fields(log_data, record, message_dict)
+        log_data.update(envelope)  # and never replaced by an `extra` field of the same name
 
 
 def configure_logging(level: str, fmt: str) -> None:
+    """Log to stderr at `level` (any case: INFO, Info, info) as `fmt` ("text" or "json")."""
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -24,7 +24,7 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.logs import RateLimitedLog
+from jobsignal.logs import RateLimitedLog, clip
 from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
@@ -159,7 +159,17 @@ class JobService:
                 request.role, trio.current_time(), address=activity.ip
             )
         except Refused as refusal:
-            log.info("register refused: %s (peer %s)", refusal.message, activity.peer)
+            log.info(
+                "register refused: %s (peer %s)",
+                refusal.message,
+                activity.peer,
+                extra={
+                    "event": "register_refused",
+                    "role": clip(request.role),
+                    "peer": activity.peer,
+                    "reason": refusal.status.name,
+                },
+            )
             await stream.send_trailing_metadata(
                 status=refusal.status, status_message=refusal.message
             )
@@ -167,7 +177,17 @@ class JobService:
         except RegistryFull as full:
             # ClusterD's contract: a normal reply with code 429, not a gRPC error.
             fault_log.log(
-                logging.INFO, "register_full", "register refused: %s (peer %s)", full, activity.peer
+                logging.INFO,
+                "register_full",
+                "register refused: %s (peer %s)",
+                full,
+                activity.peer,
+                extra={
+                    "event": "register_refused",
+                    "role": clip(request.role),
+                    "peer": activity.peer,
+                    "reason": "registry_full",
+                },
             )
             await stream.send_message(Status(code=TOO_MANY_CLIENTS, info=str(full)))
             return

@@ -19,6 +19,7 @@ import trio
 from grpclib.const import Status
 
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
+from jobsignal.logs import clip
 from jobsignal.rpc.activity import ConnectionActivity
 from jobsignal.rpc.registry import Refused, Registry
 
@@ -117,7 +118,20 @@ async def serve_subscription(
     try:
         claim, replaced = registry.claim(client_id, role, trio.current_time(), address=activity.ip)
     except Refused as refusal:
-        log.info("subscribe refused: %s (role %r, peer %s)", refusal.message, role, activity.peer)
+        log.info(
+            "subscribe refused: %s (role %r, peer %s)",
+            refusal.message,
+            role,
+            activity.peer,
+            extra={
+                "event": "subscribe_refused",
+                "stream": kind.value,
+                "role": clip(role),
+                "client_id": clip(client_id),
+                "peer": activity.peer,
+                "reason": refusal.status.name,
+            },
+        )
         broadcaster.stats.stream_ends["refused"] += 1
         return StreamEnd(refusal.status, refusal.message, "refused")
     if replaced is not None:
@@ -130,7 +144,18 @@ async def serve_subscription(
     idle = IdleDeadline(settings.idle_timeout)
     activity.heartbeat_listeners.add(idle.touch)
     log.info(
-        "client subscribed: %s role=%s id=%s peer=%s", kind.value, role, client_id, activity.peer
+        "client subscribed: %s role=%s id=%s peer=%s",
+        kind.value,
+        role,
+        client_id,
+        activity.peer,
+        extra={
+            "event": "client_subscribed",
+            "stream": kind.value,
+            "role": role,
+            "client_id": client_id,
+            "peer": activity.peer,
+        },
     )
     try:
         with trio.CancelScope() as ended:
@@ -167,4 +192,12 @@ async def serve_subscription(
             client_id,
             activity.peer,
             reason,
+            extra={
+                "event": "client_subscription_ended",
+                "stream": kind.value,
+                "role": role,
+                "client_id": client_id,
+                "peer": activity.peer,
+                "reason": reason,
+            },
         )
