@@ -835,6 +835,7 @@ class Report:
             " server and the load generators.",
             "",
         )
+        self.provenance(attack)
         rows = []
         for row in attack["attacks"]:
             record = row["attacker"]
@@ -907,6 +908,7 @@ class Report:
             " ones costs everyone else on the same event loop.",
             "",
         )
+        self.provenance(big)
         rows = [
             [
                 "no big events",
@@ -953,6 +955,23 @@ class Report:
             rows,
         )
         self.add(f"Server peak RSS {_num(_mb(big['peak_rss_bytes']), 0)} MB.", "")
+
+    def provenance(self, section: dict[str, Any]) -> None:
+        """Say so when a section's figures come from another run than the rest."""
+        run = section.get("run") or {}
+        commit = run.get("commit")
+        if not commit or commit == self.r.get("machine", {}).get("commit"):
+            return
+        dirty = run.get("dirty_jobsignal_files") or []
+        source = f"jobsignal {commit}" + (
+            f" with uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)"
+        )
+        load = run.get("load_average") or [math.nan]
+        self.add(
+            f"Measured in a separate run ({run.get('how', 'another run')}) of {source};"
+            f" 1-minute load average {_num(load[0], 2)} during the scenario.",
+            "",
+        )
 
     def plots_inline(self) -> None:
         names = [name for name in PLOTS if (self.out / name).exists()]

@@ -789,6 +789,7 @@ class Bench:
             "handshake_timeout_s": sizes.attack_handshake_timeout,
             "write_stall_timeout_s": sizes.attack_stall_timeout,
             "attacks": rows,
+            "run": self.provenance(),
         }
         with self.running() as children:
             server = self.server(
@@ -874,6 +875,16 @@ class Bench:
             "healthy_subscribers": health_after["started"] - health_after["ended"],
         }
 
+    def provenance(self) -> dict[str, Any]:
+        """Which source a scenario measured, and how busy the machine was: kept with
+        its figures, which may be merged into the results of another run."""
+        described = self.results.get("machine", {})
+        return {
+            "commit": described.get("commit"),
+            "dirty_jobsignal_files": described.get("dirty_jobsignal_files", []),
+            "load_average": machine.load_average(),
+        }
+
     @staticmethod
     def health(clients: list[Child]) -> dict[str, int]:
         """Subscriptions started and ended so far over all load generators."""
@@ -900,6 +911,7 @@ class Bench:
             phases = [self.big_phase(server, big, small, every) for every in sizes.big_every]
             server.request({"cmd": "mode", "mode": "idle"})
             self.results["big_and_small"] = {
+                "run": self.provenance(),
                 "big_subscribers": sizes.big_subs,
                 "small_subscribers": sizes.small_subs,
                 "small_rate": sizes.small_rate,
