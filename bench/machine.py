@@ -69,7 +69,9 @@ def describe() -> dict[str, Any]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
-    dirty = [line[3:] for line in _git("status", "--porcelain", "jobsignal").splitlines()]
+    # "XY path" per file; split, not sliced: _git strips the first line's leading blank.
+    status = _git("status", "--porcelain", "jobsignal").splitlines()
+    dirty = [line.split(maxsplit=1)[1] for line in status]
     return {
         "nproc": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),
