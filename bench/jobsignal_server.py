@@ -157,10 +157,10 @@ class TimedRelist(Relist):
         finally:
             self._timed.add_list_time(time.perf_counter() - started)
 
-    def commit(self, now: float) -> Changes:
+    def commit(self, now: float, budget: int | None = None) -> bool:
         started = time.perf_counter()
         try:
-            return super().commit(now)
+            return super().commit(now, budget)
         finally:
             self._timed.add_list_time(time.perf_counter() - started)
 

@@ -1,7 +1,7 @@
 """The watcher: LIST then WATCH job-summary ConfigMaps, feeding the job store.
 
 One loop per watched scope (all namespaces, or each configured namespace),
-following DESIGN.md section 5: LIST (paged) and replace the scope's part of
+following docs/architecture.md section 5: LIST (paged) and replace the scope's part of
 the store, so a relist emits exactly the differences; WATCH from the LIST's
 resourceVersion with bookmarks and a server-side timeout; advance the version
 on every event and bookmark; after a clean end, WATCH again from there; on
@@ -43,9 +43,11 @@ log = logging.getLogger(__name__)
 
 # Job events handed to the broadcaster between two checkpoints.
 PUBLISH_SLICE = 64
-# Characters of rank table parsed between two checkpoints during a LIST
-# (about 5 ms of JSON parsing), and job slices settled per step after it.
+# Work between two checkpoints while a LIST is applied, each about 5 ms:
+# characters of rank table parsed, ConfigMaps replaced in the store, and
+# ConfigMaps' worth of jobs recomputed.
 PARSE_SLICE = 256 * 1024
+COMMIT_SLICE = 1000
 SETTLE_SLICE = 512
 
 
@@ -195,13 +197,14 @@ class Watcher:
         if not version:
             raise BadResponse("LIST response has no metadata.resourceVersion")
         self.counters.lists += 1
+        now = self._wall_clock()
         try:
-            changes = relist.commit(self._wall_clock())
+            while not relist.commit(now, COMMIT_SLICE):
+                await trio.lowlevel.checkpoint()
         except Exception:
-            changes = Changes()
             self._apply_failed("LIST of " + (namespace or "all namespaces"))
-        await self._publish(changes)
-        events = len(changes.events) + await self._settle()
+        await self._publish(Changes(rejected=relist.rejected))
+        events = await self._settle()
         log.info(
             "LIST %s: %d ConfigMaps at resourceVersion %s, %d job events",
             namespace or "all namespaces",

@@ -20,6 +20,7 @@ all steps at once.
 from __future__ import annotations
 
 import json
+import operator
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ from jobsignal.store.configmap import (
 from jobsignal.store.model import JobKey, JobSummary
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
+
+# Jobs are recomputed in (namespace, job_id) order, so events come in a stable order.
+_KEY_ORDER = operator.attrgetter("namespace", "job_id")
 
 Header = tuple[tuple[str, str], ...]
 
@@ -80,8 +84,9 @@ class JobSlices:
         self.members: dict[ConfigMapRef, Slice] = {}
         self._at_index: dict[int, list[Slice]] = {}
         self._duplicated = 0  # indices claimed by more than one slice
-        self._fields: Counter[JobFields] = Counter()
-        self._headers: dict[JobFields, Counter[Header]] = {}
+        # Plain dicts, not Counters: a relist creates one of these per job.
+        self._fields: dict[JobFields, int] = {}
+        self._headers: dict[JobFields, dict[Header, int]] = {}
 
     def __len__(self) -> int:
         return len(self.members)
@@ -93,9 +98,11 @@ class JobSlices:
         holders.append(piece)
         if len(holders) == 2:
             self._duplicated += 1
-        self._fields[piece.fields] += 1
+        fields = piece.fields
+        self._fields[fields] = self._fields.get(fields, 0) + 1
         if piece.header is not None:
-            self._headers.setdefault(piece.fields, Counter())[piece.header] += 1
+            headers = self._headers.setdefault(fields, {})
+            headers[piece.header] = headers.get(piece.header, 0) + 1
 
     def remove(self, ref: ConfigMapRef) -> Slice:
         piece = self.members.pop(ref)
@@ -122,7 +129,7 @@ class JobSlices:
             return None
         first = firsts[0]
         fields = first.fields
-        if self._fields[fields] != fields.total:
+        if self._fields.get(fields) != fields.total:
             return None
         headers = self._headers.get(fields)
         if headers is not None and len(headers) > 1:
@@ -132,10 +139,12 @@ class JobSlices:
         return _summary(first, pieces, header)
 
 
-def _decrement(counter: Counter[Any], key: Any) -> None:
-    counter[key] -= 1
-    if not counter[key]:
-        del counter[key]
+def _decrement(counts: dict[Any, int], key: Any) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 def assemble(slices: Iterable[Slice]) -> JobSummary | None:
@@ -298,7 +307,8 @@ class JobStore:
         relist = self.relist(namespace)
         for configmap in configmaps:
             relist.add(configmap)
-        changes = relist.commit(now)
+        relist.commit(now)
+        changes = Changes(rejected=relist.rejected)
         changes.extend(self.settle())
         return changes
 
@@ -309,34 +319,39 @@ class JobStore:
         self.rejected_total[error.reason] += 1
         changes.rejected.append(error)
 
-    def _commit(
-        self,
-        namespace: str | None,
-        fresh: dict[ConfigMapRef, Slice],
-        listed: set[ConfigMapRef],
-        now: float,
-    ) -> None:
-        """Make the namespace hold exactly `fresh`; mark the jobs that changed."""
+    def _diff(
+        self, namespace: str | None, fresh: dict[ConfigMapRef, Slice], listed: set[ConfigMapRef]
+    ) -> list[tuple[ConfigMapRef, Slice | None]]:
+        """What makes the namespace hold exactly `fresh`: (ConfigMap, new slice or None)."""
         # A listed but malformed ConfigMap still exists: keep its last good slice.
         for ref in listed - fresh.keys():
             if ref in self._slices:
                 fresh[ref] = self._slices[ref]
-        lost: set[JobKey] = set()
-        affected: set[JobKey] = set()
-        for ref, old in list(self._slices.items()):
-            if namespace is not None and ref.namespace != namespace:
-                continue
-            new = fresh.get(ref)
-            if new == old:
-                continue
-            affected |= self._remove(ref)
-            if new is None or new.fields.job_id != old.fields.job_id:
-                lost.add(JobKey(ref.namespace, old.fields.job_id))
-        for ref, new in fresh.items():
-            if ref not in self._slices:
+        diff: list[tuple[ConfigMapRef, Slice | None]] = []
+        for ref, old in self._slices.items():
+            if namespace is None or ref.namespace == namespace:
+                new = fresh.get(ref)
+                if new != old:
+                    diff.append((ref, new))
+        diff += [(ref, new) for ref, new in fresh.items() if ref not in self._slices]
+        return diff
+
+    def _replace(
+        self,
+        changes: Iterable[tuple[ConfigMapRef, Slice | None]],
+        affected: set[JobKey],
+        lost: set[JobKey],
+    ) -> None:
+        """Apply part of a `_diff`, collecting the jobs it changed and those that lost one."""
+        for ref, new in changes:
+            old = self._slices.get(ref)
+            if old is not None:
+                affected |= self._remove(ref)
+                if new is None or new.fields.job_id != old.fields.job_id:
+                    lost.add(JobKey(ref.namespace, old.fields.job_id))
+            if new is not None:
                 self._insert(new)
                 affected.add(JobKey(ref.namespace, new.fields.job_id))
-        self._mark_pending(affected | lost, now, lost=lost)
 
     def _insert(self, new_slice: Slice) -> None:
         self._slices[new_slice.ref] = new_slice
@@ -359,7 +374,7 @@ class JobStore:
         return {key}
 
     def _mark_pending(self, keys: Iterable[JobKey], now: float, *, lost: set[JobKey]) -> None:
-        for key in sorted(keys, key=lambda k: (k.namespace, k.job_id)):
+        for key in sorted(keys, key=_KEY_ORDER):
             pending = self._pending.get(key)
             if pending is None:
                 self._pending[key] = _Pending(key in lost, now)
@@ -379,7 +394,7 @@ class JobStore:
     def _recompute(
         self, keys: Iterable[JobKey], now: float, changes: Changes, *, lost: set[JobKey]
     ) -> None:
-        for key in sorted(keys, key=lambda k: (k.namespace, k.job_id)):
+        for key in sorted(keys, key=_KEY_ORDER):
             self._recompute_one(key, now, changes, lost=lost)
 
     def _recompute_one(
@@ -408,8 +423,10 @@ class Relist:
 
     `add` parses one listed ConfigMap (no store change yet, so a LIST that
     fails half-way changes nothing); `commit` makes the store hold exactly
-    what was added, in one cheap step of dictionary updates, and leaves the
-    changed jobs to `JobStore.settle`.
+    what was added, a slice of ConfigMaps per call if asked to, and leaves the
+    changed jobs to `JobStore.settle`. Between two commit steps only this
+    namespace is half-updated, and no job of it is recomputed: its jobs are
+    marked for `settle` only once the last step is done.
     """
 
     def __init__(self, store: JobStore, namespace: str | None) -> None:
@@ -417,10 +434,14 @@ class Relist:
         self._namespace = namespace
         self._fresh: dict[ConfigMapRef, Slice] = {}
         self._listed: set[ConfigMapRef] = set()
-        self._changes = Changes()
+        self._diff: deque[tuple[ConfigMapRef, Slice | None]] | None = None
+        self._affected: set[JobKey] = set()
+        self._lost: set[JobKey] = set()
+        self.rejected: list[BadConfigMap] = []
 
     def add(self, configmap: Mapping[str, Any]) -> int:
         """Parse one listed ConfigMap; returns the size of its rank table, a measure of the work."""
+        assert self._diff is None, "add after commit"
         data = configmap.get("data")
         table = data.get("hccl.json") if isinstance(data, Mapping) else None
         work = 1 + (len(table) if isinstance(table, str) else 0)
@@ -431,12 +452,27 @@ class Relist:
             self._listed.add(ref)
             self._fresh[ref] = checked_parse(configmap, ref)
         except BadConfigMap as error:
-            self._store.reject(self._changes, error)
+            changes = Changes()
+            self._store.reject(changes, error)
+            self.rejected += changes.rejected
         return work
 
-    def commit(self, now: float) -> Changes:
-        """Replace the namespace's slices; returns the rejections (events come from `settle`)."""
-        self._store._commit(self._namespace, self._fresh, self._listed, now)
-        self._fresh, self._listed = {}, set()
-        changes, self._changes = self._changes, Changes()
-        return changes
+    def commit(self, now: float, budget: int | None = None) -> bool:
+        """Replace about `budget` of the namespace's ConfigMaps (all if None).
+
+        True once the store holds exactly what was added (the changed jobs
+        then wait for `JobStore.settle`); call again while False.
+        """
+        store = self._store
+        if self._diff is None:
+            self._diff = deque(store._diff(self._namespace, self._fresh, self._listed))
+            self._fresh, self._listed = {}, set()
+        diff = self._diff
+        count = len(diff) if budget is None else min(budget, len(diff))
+        store._replace((diff.popleft() for _ in range(count)), self._affected, self._lost)
+        if diff:
+            return False
+        if self._affected or self._lost:
+            store._mark_pending(self._affected | self._lost, now, lost=self._lost)
+            self._affected, self._lost = set(), set()
+        return True

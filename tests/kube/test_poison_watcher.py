@@ -298,13 +298,15 @@ async def test_broadcaster_drops_an_unencodable_event_in_publish_and_in_snapshot
 async def test_a_large_list_is_applied_with_checkpoints(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No more than about PARSE_SLICE characters parsed, nor SETTLE_SLICE slices
-    settled, without letting another task run."""
+    """No more than about PARSE_SLICE characters parsed, COMMIT_SLICE ConfigMaps
+    stored, nor SETTLE_SLICE slices settled, without letting another task run."""
     ticks = 0
     parsed_at: list[int] = []
     settled_at: list[int] = []
     real_parse = configmap_module.parse_slice
     real_recompute = JobStore._recompute_one
+    inserted_at: list[int] = []
+    real_insert = JobStore._insert
 
     def parse(obj: dict[str, Any]) -> Any:
         parsed_at.append(ticks)
@@ -314,8 +316,13 @@ async def test_a_large_list_is_applied_with_checkpoints(
         settled_at.append(ticks)
         real_recompute(self, *args, **kwargs)
 
+    def insert(self: JobStore, *args: Any, **kwargs: Any) -> None:
+        inserted_at.append(ticks)
+        real_insert(self, *args, **kwargs)
+
     monkeypatch.setattr("jobsignal.store.jobs.parse_slice", parse)
     monkeypatch.setattr(JobStore, "_recompute_one", recompute)
+    monkeypatch.setattr(JobStore, "_insert", insert)
 
     async def ticker() -> None:
         nonlocal ticks
@@ -324,7 +331,7 @@ async def test_a_large_list_is_applied_with_checkpoints(
             ticks += 1
 
     async with open_emulator() as emu:
-        jobs = [job(f"j{i}", servers=4) for i in range(1500)]
+        jobs = [job(f"j{i}", servers=4) for i in range(2500)]
         for each in jobs:
             create(emu, *each.configmaps("running")[0])
         table_chars = len(jobs[0].configmaps("running")[0][1]["hccl.json"])
@@ -334,13 +341,16 @@ async def test_a_large_list_is_applied_with_checkpoints(
                 with trio.fail_after(30):
                     await harness.status.ready.wait()
                 nursery.cancel_scope.cancel()
-            assert harness.broadcaster.job_count() == 1500
+            assert harness.broadcaster.job_count() == 2500
     # Trio runs every runnable task once per scheduling batch, in random order,
     # so two of the watcher's slices can fall between two turns of the ticker.
-    assert len(parsed_at) == 1500
+    assert len(parsed_at) == 2500
     most_parsed = max(Counter(parsed_at).values())
     assert most_parsed <= 2 * (watcher_module.PARSE_SLICE // table_chars + 1), most_parsed
-    assert len(settled_at) == 1500
+    assert len(inserted_at) == 2500
+    most_inserted = max(Counter(inserted_at).values())
+    assert most_inserted <= 2 * watcher_module.COMMIT_SLICE, most_inserted
+    assert len(settled_at) == 2500
     most_settled = max(Counter(settled_at).values())
     assert most_settled <= 2 * watcher_module.SETTLE_SLICE, most_settled
     assert len(set(settled_at)) >= 2

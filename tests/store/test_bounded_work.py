@@ -87,7 +87,7 @@ def test_relist_settles_in_bounded_steps_with_the_same_events() -> None:
     for obj in listing:
         assert relist.add(obj) >= 1
     assert store.configmap_count() == 0  # nothing changes before the commit
-    assert relist.commit(NOW).rejected == []
+    assert relist.commit(NOW) and relist.rejected == []
     assert store.configmap_count() == len(listing) and store.pending == len(jobs)
     steps = []
     while store.pending:
@@ -99,6 +99,26 @@ def test_relist_settles_in_bounded_steps_with_the_same_events() -> None:
     assert len(steps) >= 300 // 64
 
 
+def test_relist_commits_in_bounded_steps_and_marks_jobs_only_at_the_end() -> None:
+    before = [ClusterdJob("ns", f"j{i}", f"uid-{i:03d}") for i in range(0, 200, 2)]
+    after = [ClusterdJob("ns", f"j{i}", f"uid-{i:03d}") for i in range(100, 300)]
+    store, expected = JobStore(), JobStore()
+    for each in (store, expected):
+        each.replace_all([configmap("ns", *j.configmaps("running")[0]) for j in before], NOW)
+    listing = [configmap("ns", *j.configmaps("complete")[0]) for j in after]
+    relist = store.relist("ns")
+    for obj in listing:
+        relist.add(obj)
+    counts = []
+    while not relist.commit(NOW, budget=30):
+        counts.append(store.configmap_count())
+        assert store.pending == 0  # nothing is recomputed while half-updated
+    # 50 removed, 50 replaced, 150 added: 250 changes, 30 per step.
+    assert len(counts) == 250 // 30
+    assert store.configmap_count() == 200 and store.pending == 250
+    assert store.settle().events == expected.replace_all(listing, NOW).events
+
+
 def test_an_event_overtaking_a_pending_relist_is_applied_once() -> None:
     store = JobStore()
     a, b = ClusterdJob("ns", "a", "uid-a"), ClusterdJob("ns", "b", "uid-b")
@@ -108,7 +128,7 @@ def test_an_event_overtaking_a_pending_relist_is_applied_once() -> None:
     # A relist finds a gone and b complete, but is not settled yet...
     relist = store.relist()
     relist.add(configmap("ns", *b.configmaps("complete")[0]))
-    relist.commit(NOW)
+    assert relist.commit(NOW)
     assert store.pending == 2
     # ...when a watch event recreates a: the relist's delete of a comes first.
     ended, recreated = store.apply(

@@ -284,7 +284,8 @@ async def _drive(steps: list[Any]) -> None:
             relist = store.relist(namespace)
             for obj in cluster.values():
                 relist.add(obj)
-            publish(relist.commit(NOW).events)
+            while not relist.commit(NOW, budget):
+                pass
             publish(store.settle(budget).events)  # the rest waits; later events overtake it
         assert store.configmap_count() <= min(len(cluster), written)
         assert store.live_job_count() <= store.job_count() <= store.configmap_count()
