@@ -54,12 +54,14 @@ from jobsignal.rpc.limits import Limits
 from . import (
     ServerHarness,
     StreamCollector,
+    expected_signal,
     in_thread,
     local_settings,
     make_job,
     make_registry,
     open_jobsignal_server,
     rpc_error,
+    signal_fields,
     wait_until,
 )
 
@@ -365,6 +367,272 @@ async def test_concurrent_streams_per_connection_limit(grpc_clients: GrpcioClien
         await assert_back_to_baseline(server, live=1)
         await assert_served(server, good)
         await leave_and_check_empty(server, good)
+
+
+# -- request rates ---------------------------------------------------------------------------
+
+RATE = 0.5  # one token every 2 s
+BURST = 3
+
+
+def rate_message(what: str) -> str:
+    return (
+        f"rate limit: at most {RATE:g} {what} calls per second (bursts of {BURST})"
+        " per client address; retry later"
+    )
+
+
+def subscribed(server: ServerHarness, client_id: str) -> bool:
+    return any(s.client_id == client_id for s in server.broadcaster.subscribers)
+
+
+def started_or_refused(server: ServerHarness, stream: StreamCollector, client_id: str) -> bool:
+    return stream.ended.is_set() or subscribed(server, client_id)
+
+
+async def register_until_refused(client: JobClient) -> tuple[list[str], tuple[Any, Any]]:
+    """Register until refused: the ids registered, and the refusal's (code, details)."""
+    ids: list[str] = []
+    for _ in range(BURST + 5):
+        try:
+            reply = await in_thread(client.register, ABUSER_ROLE)
+        except grpc.RpcError as error:
+            return ids, (error.code(), error.details())
+        assert reply.code == 200, reply
+        ids.append(reply.clientId)
+    raise AssertionError(f"{len(ids)} Registers in a row, none refused")
+
+
+async def subscribe_until_refused(
+    server: ServerHarness, client: JobClient, nursery: trio.Nursery
+) -> tuple[list[StreamCollector], tuple[Any, Any]]:
+    """Subscribe fresh ids until refused: the live streams, and the refusal's (code, details)."""
+    streams: list[StreamCollector] = []
+    for _ in range(BURST + 5):
+        client_id = await in_thread(client.register_id, ABUSER_ROLE)
+        stream = StreamCollector(client.subscribe(ABUSER_ROLE, client_id, timeout=60))
+        stream.start(nursery)
+        await wait_until(
+            functools.partial(started_or_refused, server, stream, client_id),
+            within=WAIT,
+            what="the subscription to start or be refused",
+        )
+        if stream.ended.is_set():
+            return streams, (stream.code, stream.details)
+        streams.append(stream)
+    raise AssertionError(f"{len(streams)} subscriptions in a row, none refused")
+
+
+async def test_register_rate_limit_refuses_then_refills(grpc_clients: GrpcioClients) -> None:
+    settings = local_settings(limits=Limits(register_rate=RATE, register_burst=BURST))
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        started = trio.current_time()
+        good = await open_good_client(server, grpc_clients, nursery)  # takes one token
+        abuser = grpc_clients.connect(server.target)
+        ids, refusal = await register_until_refused(abuser)
+        refused_at = trio.current_time()
+        assert refusal == (grpc.StatusCode.RESOURCE_EXHAUSTED, rate_message("Register"))
+        assert server.running.rate_limited() == {"Register": 1, "Subscribe": 0}
+        # The whole burst was allowed, and no more than the tokens refilled meanwhile.
+        assert BURST <= 1 + len(ids) <= BURST + (refused_at - started) * RATE, len(ids)
+        # A refused Register registers nothing; Subscribe has a bucket of its own.
+        assert len(server.registry) == 1 + len(ids)
+        stream = StreamCollector(abuser.subscribe(ABUSER_ROLE, ids[0], timeout=60)).start(nursery)
+        await wait_until(lambda: subscribed(server, ids[0]), within=WAIT)
+        await assert_served(server, good)
+
+        # One token comes back every 1/rate seconds: one more Register, then refused again.
+        await trio.sleep_until(refused_at + 1 / RATE + 0.1)
+        more, refusal = await register_until_refused(abuser)
+        assert refusal == (grpc.StatusCode.RESOURCE_EXHAUSTED, rate_message("Register"))
+        assert 1 <= len(more) <= 1 + (trio.current_time() - refused_at) * RATE, len(more)
+        await assert_served(server, good)
+        await wait_until(lambda: len(stream.messages) >= 2, within=WAIT)
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+async def test_subscribe_rate_limit_refuses_then_refills(grpc_clients: GrpcioClients) -> None:
+    settings = local_settings(limits=Limits(subscribe_rate=RATE, subscribe_burst=BURST))
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        started = trio.current_time()
+        good = await open_good_client(server, grpc_clients, nursery)  # takes one token
+        abuser = grpc_clients.connect(server.target)
+        streams, refusal = await subscribe_until_refused(server, abuser, nursery)
+        refused_at = trio.current_time()
+        assert refusal == (grpc.StatusCode.RESOURCE_EXHAUSTED, rate_message("Subscribe"))
+        assert BURST <= 1 + len(streams) <= BURST + (refused_at - started) * RATE, len(streams)
+        # The refused subscription claimed nothing; Register has a bucket of its own.
+        assert server.registry.active_subscriptions() == 1 + len(streams)
+        assert len(server.registry) == 2 + len(streams)
+        assert (await in_thread(abuser.register, ABUSER_ROLE)).code == 200
+        await assert_served(server, good)
+
+        await trio.sleep_until(refused_at + 1 / RATE + 0.1)
+        more, refusal = await subscribe_until_refused(server, abuser, nursery)
+        assert refusal == (grpc.StatusCode.RESOURCE_EXHAUSTED, rate_message("Subscribe"))
+        assert 1 <= len(more) <= 1 + (trio.current_time() - refused_at) * RATE, len(more)
+        await assert_served(server, good)
+        await wait_until(lambda: all(len(s.messages) >= 1 for s in streams + more), within=WAIT)
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+# -- registered ids --------------------------------------------------------------------------
+
+
+async def test_registered_ids_limit_answers_429_and_expires(grpc_clients: GrpcioClients) -> None:
+    limit, ttl = 3, 2.0
+    registry = make_registry(max_registrations=limit, ttl=ttl)
+    async with (
+        trio.open_nursery() as nursery,
+        open_jobsignal_server(registry=registry) as server,
+    ):
+        good = await open_good_client(server, grpc_clients, nursery)
+        abuser = grpc_clients.connect(server.target)
+        ids = [await in_thread(abuser.register_id, ABUSER_ROLE) for _ in range(limit - 1)]
+        registered_at = trio.current_time()
+        for _ in range(3):
+            # ClusterD's contract: a normal reply with code 429, not a gRPC error.
+            full = await in_thread(abuser.register, ABUSER_ROLE)
+            assert full.code == 429
+            assert full.info == f"too many registered clients (limit {limit}); retry later"
+            assert full.clientId == ""
+        assert len(server.registry) == limit
+        await assert_served(server, good)
+
+        # Ids that never subscribe expire, which makes room again.
+        await trio.sleep_until(registered_at + ttl + 0.1)
+        fresh = await in_thread(abuser.register_id, ABUSER_ROLE)
+        assert server.registry.expired_total == len(ids)
+        code, _ = await expect_refusal(subscribe_all(abuser, ABUSER_ROLE, ids[0]))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        stream = StreamCollector(abuser.subscribe(ABUSER_ROLE, fresh, timeout=60)).start(nursery)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 2, within=WAIT)
+        await assert_served(server, good)
+        await wait_until(lambda: len(stream.messages) >= 1, within=WAIT)
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        # Only the good client's id is left: the fresh one was freed with its stream.
+        assert len(server.registry) == 1
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+        assert len(server.registry) == 0
+
+
+# -- request size ----------------------------------------------------------------------------
+
+
+async def test_request_size_limit(grpc_clients: GrpcioClients, grpcio_stubs: GrpcioStubs) -> None:
+    limit = 64
+    settings = local_settings(max_request_bytes=limit)
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        good = await open_good_client(server, grpc_clients, nursery)
+        abuser = grpc_clients.connect(server.target)
+
+        def padded(size: int) -> str:
+            """A clientId that makes ClientInfo(role=ABUSER_ROLE) exactly `size` bytes."""
+            base: int = grpcio_stubs.job_pb2.ClientInfo(role=ABUSER_ROLE, clientId="x").ByteSize()
+            padding = "x" * (1 + size - base)
+            info = grpcio_stubs.job_pb2.ClientInfo(role=ABUSER_ROLE, clientId=padding)
+            assert info.ByteSize() == size
+            return padding
+
+        # Register ignores the clientId it is sent, so padding is harmless up to the limit.
+        at_limit = await in_thread(abuser.register, ABUSER_ROLE, padded(limit))
+        assert at_limit.code == 200
+        too_big = f"request of {limit + 1} bytes exceeds the limit of {limit}"
+        code, details = await expect_refusal(
+            functools.partial(abuser.register, ABUSER_ROLE, padded(limit + 1))
+        )
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
+        code, details = await expect_refusal(subscribe_all(abuser, ABUSER_ROLE, padded(limit + 1)))
+        assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
+        # Requests far past the limit are refused from their length prefix; the
+        # connection's flow-control window must not leak the unread bytes.
+        huge = "x" * 512 * 1024
+        for _ in range(16):
+            code, details = await expect_refusal(functools.partial(abuser.register, huge))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert details.startswith("request of ") and f"the limit of {limit}" in details
+            await assert_served(server, good)
+        assert (await in_thread(abuser.register, ABUSER_ROLE)).code == 200
+        assert len(server.connections) == 2, "the abuser's connection is still in use"
+
+        await close_clients(abuser)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+# -- send size -------------------------------------------------------------------------------
+
+
+async def test_send_size_limit_strips_rank_tables(grpc_clients: GrpcioClients) -> None:
+    limit = 4096
+    broadcaster = Broadcaster(max_message_bytes=limit)
+    async with (
+        trio.open_nursery() as nursery,
+        open_jobsignal_server(broadcaster=broadcaster) as server,
+    ):
+        good = await open_good_client(server, grpc_clients, nursery)
+        lister = grpc_clients.connect(server.target)
+        list_id = await in_thread(lister.register_id, ABUSER_ROLE)
+        lists = StreamCollector(lister.subscribe_list(ABUSER_ROLE, list_id, timeout=60))
+        lists.start(nursery)
+        await lists.wait_for(1, within=WAIT)  # the (empty) snapshot
+
+        big = make_job(1, npus=256)
+        assert len(big.hccl_json) > limit
+        small = make_job(2)
+        broadcaster.publish([big])
+        broadcaster.publish([small])
+        first, second = await good.stream.wait_for(2, within=WAIT)
+        assert signal_fields(first) == {**expected_signal(big, first.uuid), "HcclJson": ""}
+        assert signal_fields(second) == expected_signal(small, second.uuid)
+        assert broadcaster.stats.rank_tables_stripped == 1
+        assert not good.stream.ended.is_set()
+        _, big_list, small_list = await lists.wait_for(3, within=WAIT)
+        assert [s.HcclJson for s in big_list.jobSummarySignals] == [""]
+        assert [s.HcclJson for s in small_list.jobSummarySignals] == [small.hccl_json]
+
+        # A snapshot taken later carries the stripped event too.
+        snapshot = grpc_clients.connect(server.target)
+        snapshot_id = await in_thread(snapshot.register_id, "FdAgent")
+        fd_agent = StreamCollector(snapshot.subscribe("FdAgent", snapshot_id, timeout=60))
+        fd_agent.start(nursery)
+        got = {m.jobId: m.HcclJson for m in await fd_agent.wait_for(2, within=WAIT)}
+        assert got == {big.job_id: "", small.job_id: small.hccl_json}
+        await assert_served(server, good)
+        assert not lists.ended.is_set() and not fd_agent.ended.is_set()
+
+        await close_clients(lister, snapshot)
+        await assert_back_to_baseline(server, live=1)
+        await assert_served(server, good)
+        await leave_and_check_empty(server, good)
+
+
+async def test_default_send_limit_fits_default_grpc_clients(grpc_clients: GrpcioClients) -> None:
+    """A 5 MB event, past grpcio's default 4 MiB receive limit, arrives stripped.
+
+    Regression test: with an 8 MiB default send limit it went out whole and
+    the stream of every default-configured client died with RESOURCE_EXHAUSTED.
+    """
+    async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
+        good = await open_good_client(server, grpc_clients, nursery)
+        huge = make_job(3, hccl_json='{"status":"complete","pad":"' + "x" * 5_000_000 + '"}')
+        server.broadcaster.publish([huge])
+        (message,) = await good.stream.wait_for(1, within=WAIT)
+        assert message.jobId == huge.job_id
+        assert message.HcclJson == ""
+        await assert_served(server, good)
 
 
 # -- memory and file descriptors -------------------------------------------------------------
