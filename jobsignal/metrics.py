@@ -97,6 +97,7 @@ class MetricSources:
     connections_closed_by_server: Callable[[], Mapping[str, int]]
     streams_refused: Callable[[], int]
     rpc_handler_errors: Callable[[], Mapping[str, int]]
+    rate_limited: Callable[[], Mapping[str, int]]
     http_errors: Callable[[], Mapping[str, int]]
     jobs: Callable[[], int]
     configmaps_rejected: Callable[[], Mapping[str, int]]
@@ -181,7 +182,7 @@ class JobsignalCollector(Collector):
         yield CounterMetricFamily(
             "jobsignal_connections_refused_total",
             "gRPC connections refused over --max-connections or --max-connections-per-ip"
-            " (the first request is answered UNAVAILABLE, then the connection closes).",
+            " (the first request is answered RESOURCE_EXHAUSTED, then the connection closes).",
             value=sources.connections_refused(),
         )
         yield _counter(
@@ -204,6 +205,14 @@ class JobsignalCollector(Collector):
             " by RPC.",
             "rpc",
             sources.rpc_handler_errors(),
+        )
+        yield _counter(
+            "jobsignal_rate_limited_total",
+            "Register and Subscribe calls refused by the per-address rate limits"
+            " (--register-rate, --subscribe-rate), by RPC.",
+            "rpc",
+            sources.rate_limited(),
+            known=("Register", "Subscribe"),
         )
         yield _counter(
             "jobsignal_http_errors_total",

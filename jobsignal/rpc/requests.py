@@ -18,6 +18,7 @@ import grpclib.server
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from jobsignal._proto.job import ClientInfo
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.codec import PassthroughCodec
 
@@ -48,3 +49,24 @@ async def read_request(stream: grpclib.server.Stream[Any, Any], message_type: ty
 
 def _truncated() -> GRPCError:
     return GRPCError(Status.INVALID_ARGUMENT, "request truncated: the stream ended mid-message")
+
+
+# Longer than any role or clientId a client can mean (ids are 36-character
+# UUIDs): a longer one is refused before it reaches a log line or a reply.
+MAX_ROLE_CHARS = 64
+MAX_CLIENT_ID_CHARS = 128
+
+
+async def read_client_info(stream: grpclib.server.Stream[Any, Any]) -> ClientInfo:
+    """The request of every job.Job RPC, with its fields' lengths bounded."""
+    info = await read_request(stream, ClientInfo)
+    for field, value, limit in (
+        ("role", info.role, MAX_ROLE_CHARS),
+        ("clientId", info.client_id, MAX_CLIENT_ID_CHARS),
+    ):
+        if len(value) > limit:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT,
+                f"{field} of {len(value)} characters is longer than the limit of {limit}",
+            )
+    return info

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,8 @@ class RunningServer:
     stopped: trio.Event
     # Unexpected exceptions caught at the handler boundary, by RPC.
     handler_errors: Counter[str]
+    # Calls refused by the per-address rate limits, by RPC (read at scrape time).
+    rate_limited: Callable[[], dict[str, int]]
 
 
 def _grpclib_config(settings: ServerSettings) -> Configuration:
@@ -193,7 +196,14 @@ async def run_grpc_server(
             nursery.start_soon(tls.run_reloader, settings.tls_reload_interval)
         host, port = addresses[0]
         running = RunningServer(
-            host, port, addresses, connections, registry, trio.Event(), service.handler_errors
+            host,
+            port,
+            addresses,
+            connections,
+            registry,
+            trio.Event(),
+            service.handler_errors,
+            service.rate_limited,
         )
         task_status.started(running)
         try:

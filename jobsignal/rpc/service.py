@@ -28,7 +28,7 @@ from jobsignal.logs import RateLimitedLog, clip
 from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
-from jobsignal.rpc.requests import read_request
+from jobsignal.rpc.requests import read_client_info
 from jobsignal.rpc.session import SessionSettings, serve_subscription
 from jobsignal.rpc.writer import write_frames, write_frames_now
 
@@ -71,6 +71,13 @@ class JobService:
         self.subscribe_limiter = RateLimiter(limits.subscribe_rate, limits.subscribe_burst)
         # Unexpected exceptions caught at the handler boundary, by RPC.
         self.handler_errors: Counter[str] = Counter()
+
+    def rate_limited(self) -> dict[str, int]:
+        """Calls refused by the per-address rate limits, by RPC."""
+        return {
+            "Register": self.register_limiter.refused,
+            "Subscribe": self.subscribe_limiter.refused,
+        }
 
     def _fault_boundary(self, rpc: str, handler: Handler) -> Handler:
         """End only this stream, with INTERNAL, when `handler` fails unexpectedly.
@@ -150,7 +157,7 @@ class JobService:
         }
 
     async def register(self, stream: Stream) -> None:
-        request = await read_request(stream, ClientInfo)
+        request = await read_client_info(stream)
         if await self._refuse_if_over_limits(stream, self.register_limiter, "Register"):
             return
         activity = self.connections.activity_of(stream)
@@ -196,7 +203,7 @@ class JobService:
         )
 
     async def subscribe(self, kind: StreamKind, stream: Stream) -> None:
-        request = await read_request(stream, ClientInfo)
+        request = await read_client_info(stream)
         if await self._refuse_if_over_limits(stream, self.subscribe_limiter, "Subscribe"):
             return
         self._open_streams += 1

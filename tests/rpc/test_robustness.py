@@ -441,6 +441,27 @@ async def test_oversize_request_is_resource_exhausted(grpc_clients: GrpcioClient
         await assert_still_serving(server, grpc_clients)
 
 
+@pytest.mark.parametrize("rpc", ["register", "subscribe"])
+async def test_a_huge_client_id_or_role_is_refused_without_being_echoed(
+    grpc_clients: GrpcioClients, caplog: pytest.LogCaptureFixture, rpc: str
+) -> None:
+    """Well under the request size limit, but no role or id is 100,000 characters."""
+    async with open_jobsignal_server() as server:
+        client = grpc_clients.connect(server.target)
+        huge = "x" * 100_000
+        if rpc == "register":
+            error = await rpc_error(lambda: client.register(huge))
+        else:
+            error = await rpc_error(lambda: list(client.subscribe("CCAgent", huge)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "100000 characters" in error.details(), error.details()
+        assert len(error.details()) < 200
+        assert all(len(r.getMessage()) < 1000 for r in caplog.records)
+        assert len(server.registry) == 0
+        await in_thread(client.close)
+        await assert_still_serving(server, grpc_clients)
+
+
 # -- request framing (fixed in 62dbaf8: jobsignal/rpc/requests.py) --------------------------
 
 
