@@ -206,6 +206,7 @@ def metric_sources(
         connections_closed_by_server=lambda: server.connections.closed_by_server,
         streams_refused=lambda: server.connections.streams_refused,
         rpc_handler_errors=lambda: server.handler_errors,
+        rate_limited=server.rate_limited,
         http_errors=lambda: http_stats.errors,
         jobs=store.live_job_count,
         configmaps_rejected=lambda: store.rejected_total,
