@@ -30,7 +30,7 @@ from jobsignal.store.model import JobKey, JobSummary
 
 log = logging.getLogger(__name__)
 
-# DESIGN.md 2: a snapshot batch carries rank tables of at most this many NPUs.
+# docs/architecture.md section 2: a snapshot batch carries rank tables of at most this many NPUs.
 DEFAULT_BATCH_NPUS = 40_000
 
 
@@ -153,7 +153,7 @@ class Broadcaster:
             subscriber.end(reason)
 
     def snapshot_batches(self) -> Iterator[bytes]:
-        """The current state as JobSummarySignalList batches (DESIGN.md section 2).
+        """The current state as JobSummarySignalList batches (docs/architecture.md section 2).
 
         Every batch carries the same ReportTime and JobTotalNum. Jobs are packed
         while their rank tables total at most `batch_npus` NPUs; a job larger
@@ -224,7 +224,8 @@ class Broadcaster:
 
     def _encode(self, job: JobSummary, event_uuid: str) -> bytes:
         """Encode a signal; one above the send limit goes out without its rank table
-        (DESIGN.md's rule for huge jobs) rather than killing every stream."""
+        (docs/architecture.md section 2: the rule for huge jobs) rather than killing
+        every stream."""
         signal = encode_signal(job, event_uuid)
         # Headroom for the list wrapper (tag, length, ReportTime, JobTotalNum).
         if len(signal) + 64 > self._max_message_bytes:

@@ -6,7 +6,8 @@ it `idle_timeout` seconds into the future, so expiry needs no timer task and
 is exact in virtual time. Other ways a stream ends (replaced, too slow, server
 shutdown) cancel the subscriber's scope and leave their reason on it. The
 function returns how the stream ended instead of raising a gRPC error, so the
-status is decided outside any nursery (DESIGN.md section 8).
+status is decided outside any nursery (docs/architecture.md
+section 8, "The grpclib adapter and why it exists").
 """
 
 from __future__ import annotations
