@@ -183,7 +183,17 @@ def _summary(first: Slice, pieces: list[Slice], header: Header | None) -> JobSum
     )
 
 
+# A whole job's rank table joined from its slices is at most this long; a
+# larger one (only a hostile job: 4,096 ConfigMaps of up to 1 MiB each) is
+# served with an empty HcclJson, as events over the send limit are, instead of
+# doubling the memory its slices already take.
+MAX_JOINED_RANK_TABLE_CHARS = 64 * 1024 * 1024
+
+
 def _join_rank_table(header: Header, pieces: list[Slice]) -> str:
+    size = sum(len(server) + 1 for piece in pieces for server in piece.servers)
+    if size > MAX_JOINED_RANK_TABLE_CHARS:
+        return ""
     servers = ",".join(server for piece in pieces for server in piece.servers)
     parts = []
     for key, value in header:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.store import JobStore
+from jobsignal.store import JobStore, jobs
 from jobsignal.store.jobs import ADDED, DELETED, MODIFIED
 
 NOW = 1_800_000_000.0
@@ -75,6 +77,25 @@ def test_multi_configmap_job_is_reassembled_once_all_slices_agree() -> None:
     [done] = store.apply(MODIFIED, configmap("ns", *complete[2]), NOW).events
     assert done.job_status == "complete"
     assert json.loads(done.hccl_json) == table
+
+
+def test_a_joined_rank_table_over_the_cap_is_served_empty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    job = ClusterdJob("ns", "huge", "uid-huge", servers=10, servers_per_configmap=4)
+    pieces = job.configmaps("running")
+    store = JobStore()
+    for piece in pieces:
+        events = store.apply(ADDED, configmap("ns", *piece), NOW).events
+    [whole] = events
+    size = len(whole.hccl_json)
+    monkeypatch.setattr(jobs, "MAX_JOINED_RANK_TABLE_CHARS", size // 2)
+    capped = JobStore()
+    for piece in pieces:
+        events = capped.apply(ADDED, configmap("ns", *piece), NOW).events
+    [event] = events
+    # The job itself is served, with its state and NPU count, but no table.
+    assert (event.hccl_json, event.job_status, event.npu_count) == ("", "running", 80)
 
 
 def test_unknown_rank_table_keys_are_kept() -> None:
