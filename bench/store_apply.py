@@ -119,7 +119,9 @@ async def longest_stall(
     `listed` (LIST) and `watched` (watch events), until the `jobs` are served."""
     api = MemoryApi(listed, watched)
     store, broadcaster, status = JobStore(), Broadcaster(), SourceStatus()
-    watcher = Watcher(cast(KubeApi, api), store, broadcaster, status, WatchSettings(page_size=PAGE))
+    watcher = Watcher(
+        cast(KubeApi, api), store, broadcaster.publish, status, WatchSettings(page_size=PAGE)
+    )
     longest = 0.0
 
     async def ticker() -> None:

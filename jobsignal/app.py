@@ -67,10 +67,11 @@ class RunningJobsignal:
 
 
 def server_settings(config: Config) -> ServerSettings:
-    host, port = config.listen
+    (host, port), *more = config.listen
     return ServerSettings(
         host=host,
         port=port,
+        more_addresses=tuple(more),
         session=SessionSettings(
             idle_timeout=config.idle_timeout,
             send_timeout=config.send_timeout,
@@ -178,7 +179,7 @@ async def run_source(
         timeout = httpx.Timeout(10.0, read=config.read_timeout + 5)
         async with open_kube_client(connection, timeout=timeout) as client:
             api = KubeApi(client, tokens, read_timeout=config.read_timeout)
-            watcher = Watcher(api, store, broadcaster, status, settings, credentials=tokens)
+            watcher = Watcher(api, store, broadcaster.publish, status, settings, credentials=tokens)
             await nursery.start(watcher.run)
             task_status.started(watcher)
             await trio.sleep_forever()

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,7 +23,6 @@ import trio
 import trio.lowlevel
 
 from jobsignal.backoff import Backoff
-from jobsignal.fanout import Broadcaster
 from jobsignal.kube.api import (
     ApiError,
     ApiUnavailable,
@@ -38,10 +37,11 @@ from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 from jobsignal.store.configmap import BadConfigMap
 from jobsignal.store.jobs import Changes
+from jobsignal.store.model import JobSummary
 
 log = logging.getLogger(__name__)
 
-# Job events handed to the broadcaster between two checkpoints.
+# Job events handed to `publish` between two checkpoints.
 PUBLISH_SLICE = 64
 # Work between two checkpoints while a LIST is applied, each about 5 ms:
 # characters of rank table parsed, ConfigMaps replaced in the store, and
@@ -90,12 +90,17 @@ class WatchCounters:
     apply_errors: int = 0
 
 
+# Where the watcher hands job events: `Broadcaster.publish` in a server. The
+# second argument is when the source saw them (trio's clock), for latency.
+Publish = Callable[[Sequence[JobSummary], float], None]
+
+
 class Watcher:
     def __init__(
         self,
         api: KubeApi,
         store: JobStore,
-        broadcaster: Broadcaster,
+        publish: Publish,
         status: SourceStatus,
         settings: WatchSettings,
         *,
@@ -105,7 +110,7 @@ class Watcher:
     ) -> None:
         self._api = api
         self._store = store
-        self._broadcaster = broadcaster
+        self._publish_events = publish
         self._status = status
         self._settings = settings
         self._credentials = credentials
@@ -167,7 +172,7 @@ class Watcher:
         now = self._wall_clock()
         if not self._status.ready.is_set() and self._listed >= set(self._scopes):
             self._status.mark_ready(now)
-            log.info("initial LIST applied: %d jobs", self._broadcaster.job_count())
+            log.info("initial LIST applied: %d jobs", self._store.live_job_count())
         else:
             self._status.mark_synced(now)
 
@@ -294,7 +299,7 @@ class Watcher:
         for start in range(0, len(changes.events), PUBLISH_SLICE):
             if start:
                 await trio.lowlevel.checkpoint()
-            self._broadcaster.publish(changes.events[start : start + PUBLISH_SLICE], seen_at)
+            self._publish_events(changes.events[start : start + PUBLISH_SLICE], seen_at)
         for job in changes.events:
             log.debug(
                 "job event: %s/%s %s %s (%d NPUs)",

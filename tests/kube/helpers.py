@@ -421,7 +421,7 @@ async def open_watcher(
         watcher = Watcher(
             api,
             store,
-            broadcaster,
+            broadcaster.publish,
             status,
             settings,
             credentials=credentials,
