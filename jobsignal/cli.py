@@ -1,29 +1,47 @@
-"""Command line: `jobsignal serve`, `jobsignal demo`, `jobsignal subscribe`."""
+"""Command line: `jobsignal serve`, `demo`, `subscribe`, `jobs`, `check` and `completion`.
+
+Every setting's flag sits in a --help group and names the kind of value it
+takes (the settings table in jobsignal/config.py says which). Output written
+to a reader that has gone (`jobsignal subscribe --json | head -1`) ends the
+command quietly with status 141, as SIGPIPE ends other Unix tools; the
+process keeps ignoring SIGPIPE itself, so a peer closing a socket never kills
+the server.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
+import shtab
 import trio
 
 from jobsignal import __version__
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.app import run_jobsignal
 from jobsignal.client import (
+    CallFailed,
     Signal,
     SubscribeFailed,
     SubscribeOptions,
+    check_health,
     client_ssl_context,
+    fetch_jobs,
     open_subscription,
 )
 from jobsignal.config import (
     SERVE_SETTINGS,
     SUBSCRIBE_SETTINGS,
     ConfigError,
+    Setting,
     add_arguments,
     load_config,
     parse_listen,
@@ -32,6 +50,27 @@ from jobsignal.config import (
 from jobsignal.logs import configure_logging
 
 EXIT_USAGE = 2
+# What a shell reports for a command that SIGPIPE ended.
+EXIT_STDOUT_CLOSED = 128 + signal.SIGPIPE
+SHELLS = ("bash", "zsh", "tcsh")
+
+
+class StdoutClosed(Exception):
+    """Whoever read our standard output has gone (`jobsignal ... | head -1`)."""
+
+
+def emit(text: str) -> None:
+    """Print a line of the command's output, flushed at once (streams are live)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise StdoutClosed from None
+
+
+def _tell(text: str) -> None:
+    """A note for the person at the terminal, on stderr (stdout stays parsable)."""
+    with contextlib.suppress(OSError):  # nobody listens: not worth failing for
+        print(text, file=sys.stderr, flush=True)
 
 
 def _signal_json(signal: JobSummarySignal) -> dict[str, str]:
@@ -82,7 +121,117 @@ def format_message(message: Signal, as_json: bool) -> str:
 async def print_signals(options: SubscribeOptions, as_json: bool) -> None:
     async with open_subscription(options) as signals:
         async for message in signals:
-            print(format_message(message, as_json), flush=True)
+            emit(format_message(message, as_json))
+
+
+# -- jobsignal jobs ---------------------------------------------------------------------
+
+
+def _cell(text: str) -> str:
+    """A table cell from server data: no blanks or control characters to break columns."""
+    return "".join(c if c.isprintable() and not c.isspace() else "?" for c in text) or "<none>"
+
+
+def npu_count(hccl_json: str) -> str:
+    """The NPUs in a rank table (its servers' devices); <unknown> when the server sent
+    none (a job too large for one List batch goes without it) or it does not parse."""
+    try:
+        table = json.loads(hccl_json)
+        servers = table.get("server_list", [])
+        return str(sum(len(server.get("device", [])) for server in servers))
+    except (ValueError, TypeError, AttributeError):
+        return "<unknown>"
+
+
+def human_age(seconds: float) -> str:
+    """An age the way kubectl prints one: 45s, 7m3s, 2h10m, 3d4h, 400d, 3y12d."""
+    s = max(0, int(seconds))
+    minutes, hours, days = s // 60, s // 3600, s // 86400
+    years = days // 365
+    if s < 120:
+        return f"{s}s"
+    if minutes < 10:
+        return f"{minutes}m{s % 60}s" if s % 60 else f"{minutes}m"
+    if hours < 3:
+        return f"{minutes}m"
+    if hours < 8:
+        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
+    if hours < 48:
+        return f"{hours}h"
+    if days < 8:
+        return f"{days}d{hours % 24}h" if hours % 24 else f"{days}d"
+    if years < 2:
+        return f"{days}d"
+    if years < 8:
+        return f"{years}y{days % 365}d" if days % 365 else f"{years}y"
+    return f"{years}y"
+
+
+def job_age(started: str, now: float) -> str:
+    """The age of a job from its `time` field: Unix seconds (milliseconds are taken too)."""
+    try:
+        value = float(started)
+    except ValueError:
+        return "<unknown>"
+    if not 0 < value < float("inf"):
+        return "<unknown>"
+    if value > 1e11:  # milliseconds: 1e11 seconds is past the year 5000
+        value /= 1000
+    return human_age(now - value)
+
+
+def jobs_table(jobs: Sequence[JobSummarySignal], now: float, headers: bool = True) -> str:
+    """Columns as `kubectl get -A` prints them: NAMESPACE NAME STATUS NPUS AGE."""
+    rows = [["NAMESPACE", "NAME", "STATUS", "NPUS", "AGE"]] if headers else []
+    for job in sorted(jobs, key=lambda j: (j.namespace, j.job_name, j.job_id)):
+        status = _cell(job.job_status)
+        if job.operator == "delete":
+            status += "(deleted)"
+        age = job_age(job.time, now)
+        rows.append(
+            [_cell(job.namespace), _cell(job.job_name), status, npu_count(job.hccl_json), age]
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(5)]
+    return "\n".join(
+        "   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+async def print_jobs(options: SubscribeOptions, args: argparse.Namespace) -> int:
+    try:
+        with trio.fail_after(args.timeout):
+            jobs = await fetch_jobs(options)
+    except trio.TooSlowError:
+        raise CallFailed(
+            f"no complete job list from {options.host}:{options.port} within {args.timeout:g}s"
+        ) from None
+    if args.namespace:
+        jobs = [job for job in jobs if job.namespace == args.namespace]
+    if not jobs:
+        where = f" in namespace {args.namespace}" if args.namespace else ""
+        _tell(f"No jobs found{where}.")
+        return 0
+    emit(jobs_table(jobs, time.time(), headers=not args.no_headers))
+    return 0
+
+
+# -- jobsignal check --------------------------------------------------------------------
+
+
+async def print_health(options: SubscribeOptions, args: argparse.Namespace) -> int:
+    try:
+        with trio.fail_after(args.timeout):
+            status = await check_health(options, args.service)
+    except trio.TooSlowError:
+        raise CallFailed(
+            f"no health answer from {options.host}:{options.port} within {args.timeout:g}s"
+        ) from None
+    emit(status)
+    return 0 if status == "SERVING" else 1
+
+
+# -- jobsignal demo ---------------------------------------------------------------------
 
 
 async def _demo(config_flags: dict[str, str | None]) -> None:
@@ -92,12 +241,42 @@ async def _demo(config_flags: dict[str, str | None]) -> None:
         server = await nursery.start(
             lambda task_status: run_jobsignal(config, handle_signals=True, task_status=task_status)
         )
-        host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
+        host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
         options = SubscribeOptions(host, server.port, "CCAgent")
-        print(f"jobsignal demo: serving on {server.host}:{server.port}; subscriber output:")
+        emit(f"jobsignal demo: serving on {server.host}:{server.port}; subscriber output:")
         nursery.start_soon(print_signals, options, False)
         await server.stopped.wait()
         nursery.cancel_scope.cancel()
+
+
+# -- the parser -------------------------------------------------------------------------
+
+
+def _settings(parser: argparse.ArgumentParser, settings: Sequence[Setting]) -> None:
+    add_arguments(parser, settings)
+    # Shell completion offers files for file settings (and nothing for the others).
+    files = {setting.flag for setting in settings if setting.value_name == "FILE"}
+    for action in parser._actions:
+        if files.intersection(action.option_strings):
+            action.complete = shtab.FILE  # type: ignore[attr-defined]
+
+
+def _target_flags(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group(title)
+    group.add_argument(
+        "--target", required=True, metavar="HOST:PORT", help="the jobsignal server to ask"
+    )
+    return group
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,27 +285,120 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stream Ascend job-summary ConfigMaps to ClusterD-compatible gRPC clients.",
     )
     parser.add_argument("--version", action="version", version=f"jobsignal {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the server (every flag also has an env var)")
-    add_arguments(serve, SERVE_SETTINGS)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the server (every flag also has an env var)",
+        usage="jobsignal serve [-h] [FLAGS]",  # not all 40-odd flags in one line
+    )
+    _settings(serve, SERVE_SETTINGS)
+
     demo = commands.add_parser(
         "demo", help="serve the embedded demo cluster and print what a subscriber receives"
     )
-    add_arguments(demo, [s for s in SERVE_SETTINGS if s.name in ("listen", "log_level")])
+    _settings(demo, [s for s in SERVE_SETTINGS if s.name in ("listen", "log_level")])
+
     sub = commands.add_parser("subscribe", help="register, subscribe and print job signals")
-    sub.add_argument("--target", required=True, help="server HOST:PORT")
-    sub.add_argument("--role", required=True, help="client role, e.g. CCAgent")
-    sub.add_argument("--list", action="store_true", help="use SubscribeJobSummarySignalList")
-    sub.add_argument("--json", action="store_true", help="one JSON object per line")
-    sub.add_argument(
-        "--keepalive", type=float, default=30.0, help="seconds between keepalive PINGs"
+    group = _target_flags(sub, "subscription")
+    group.add_argument("--role", required=True, metavar="ROLE", help="client role, e.g. CCAgent")
+    group.add_argument("--list", action="store_true", help="use SubscribeJobSummarySignalList")
+    group.add_argument("--json", action="store_true", help="one JSON object per line")
+    group.add_argument(
+        "--keepalive",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between keepalive PINGs (default 30)",
     )
-    add_arguments(sub, SUBSCRIBE_SETTINGS)
+    _settings(sub, SUBSCRIBE_SETTINGS)
+
+    jobs = commands.add_parser(
+        "jobs",
+        help="print the current jobs as a table (through the List RPC's snapshot)",
+        description="Register, take the SubscribeJobSummarySignalList snapshot, print it"
+        " as a table like `kubectl get` and hang up. Exit status 1 when the server"
+        " cannot be asked, 2 on bad usage.",
+    )
+    group = _target_flags(jobs, "query")
+    group.add_argument(
+        "--role",
+        default="DefaultUser1",
+        metavar="ROLE",
+        help="role to register with (default DefaultUser1)",
+    )
+    group.add_argument(
+        "-n", "--namespace", default="", metavar="NAME", help="only the jobs of this namespace"
+    )
+    group.add_argument("--no-headers", action="store_true", help="no header line")
+    group.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="give up after this long (default 30)",
+    )
+    _settings(jobs, SUBSCRIBE_SETTINGS)
+
+    check = commands.add_parser(
+        "check",
+        help="print the server's gRPC health (SERVING: exit 0, else 1), for exec probes",
+        description="Ask grpc.health.v1 Check and print the status. Exit status 0 only"
+        " for SERVING; 1 for any other status, no answer or a refused connection;"
+        " 2 on bad usage.",
+    )
+    group = _target_flags(check, "probe")
+    group.add_argument(
+        "--service",
+        default="",
+        metavar="NAME",
+        help="health entry to check: '' (default) the server as a whole, job.Job,"
+        " jobsignal.KubernetesSync",
+    )
+    group.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="give up after this long (default 5)",
+    )
+    _settings(check, SUBSCRIBE_SETTINGS)
+
+    completion = commands.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description="Print the completion script of a shell, for example"
+        " `jobsignal completion bash > /etc/bash_completion.d/jobsignal`, or"
+        " `source <(jobsignal completion bash)` in ~/.bashrc.",
+    )
+    completion.add_argument("shell", choices=SHELLS, help="bash, zsh or tcsh")
     return parser
 
 
+def completion_script(shell: str) -> str:
+    """The completion script of `shell`, offering every command, flag and choice."""
+    parser = build_parser()
+    choices = {s.flag: s.choices for s in (*SERVE_SETTINGS, *SUBSCRIBE_SETTINGS) if s.choices}
+    for action in _all_actions(parser):
+        words = next((choices[f] for f in action.option_strings if f in choices), None)
+        if words:
+            # Only for completion: parsing keeps its own check, which accepts any case.
+            action.choices = words
+    script: str = shtab.complete(parser, shell=shell)
+    return script
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    actions = list(parser._actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                actions += _all_actions(subparser)
+    return actions
+
+
 def subscribe_options(args: argparse.Namespace, environ: Mapping[str, str]) -> SubscribeOptions:
-    """`jobsignal subscribe`'s options from its flags and JOBSIGNAL_SUBSCRIBE_* env vars."""
+    """A client command's options from its flags and JOBSIGNAL_SUBSCRIBE_* env vars."""
     try:
         host, port = parse_listen(args.target)
     except ValueError as error:
@@ -142,9 +414,9 @@ def subscribe_options(args: argparse.Namespace, environ: Mapping[str, str]) -> S
     options = SubscribeOptions(
         host,
         port,
-        args.role,
-        args.list,
-        args.keepalive,
+        getattr(args, "role", ""),
+        getattr(args, "list", False),
+        getattr(args, "keepalive", 30.0),
         tls=bool(tls["tls_ca"]),
         tls_ca="" if tls["tls_ca"] == "system" else tls["tls_ca"],
         tls_cert=tls["tls_cert"],
@@ -159,28 +431,78 @@ def subscribe_options(args: argparse.Namespace, environ: Mapping[str, str]) -> S
     return options
 
 
+def _announce_subscription(options: SubscribeOptions) -> SubscribeOptions:
+    """`options` that say on stderr when the client has subscribed and is waiting."""
+    stream = "job lists" if options.list_mode else "job events"
+
+    def subscribed(client_id: str) -> None:
+        _tell(
+            f"subscribed to {options.host}:{options.port} as {options.role}"
+            f" (id {client_id}): waiting for {stream}"
+        )
+
+    return dataclasses.replace(options, on_subscribed=subscribed)
+
+
+def _run(function: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """trio.run, handing back a lone StdoutClosed that nurseries wrapped in groups."""
+    try:
+        return trio.run(function, *args)
+    except BaseExceptionGroup as group:
+        closed, rest = group.split(StdoutClosed)
+        if closed is not None and rest is None:
+            raise StdoutClosed from None
+        raise
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        config = load_config(vars(args), os.environ)
+        configure_logging(config.log_level, config.log_format)
+        trio.run(lambda: run_jobsignal(config, handle_signals=True))
+    elif args.command == "demo":
+        level = resolve(
+            [s for s in SERVE_SETTINGS if s.name == "log_level"], vars(args), os.environ
+        )
+        configure_logging(level["log_level"], "text")
+        _run(_demo, vars(args))
+    elif args.command == "subscribe":
+        configure_logging("warning", "text")
+        options = _announce_subscription(subscribe_options(args, os.environ))
+        _run(print_signals, options, args.json)
+    elif args.command == "jobs":
+        configure_logging("warning", "text")
+        status: int = _run(print_jobs, subscribe_options(args, os.environ), args)
+        return status
+    elif args.command == "check":
+        configure_logging("error", "text")
+        status = _run(print_health, subscribe_options(args, os.environ), args)
+        return status
+    else:
+        emit(completion_script(args.shell).rstrip("\n"))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "serve":
-            config = load_config(vars(args), os.environ)
-            configure_logging(config.log_level, config.log_format)
-            trio.run(lambda: run_jobsignal(config, handle_signals=True))
-        elif args.command == "demo":
-            configure_logging(args.log_level or "info", "text")
-            trio.run(_demo, vars(args))
-        else:
-            configure_logging("warning", "text")
-            trio.run(print_signals, subscribe_options(args, os.environ), args.json)
+        return _command(args)
     except ConfigError as error:
         print(f"jobsignal: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except SubscribeFailed as error:
         print(f"jobsignal: subscription refused: {error}", file=sys.stderr)
         return 1
+    except CallFailed as error:
+        print(f"jobsignal {args.command}: {error}", file=sys.stderr)
+        return 1
+    except StdoutClosed:
+        # Python would complain at exit that the rest of stdout cannot be flushed.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_STDOUT_CLOSED
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

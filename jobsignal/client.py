@@ -11,16 +11,20 @@ Over TLS, problems that another attempt cannot cure end the subscription with
 handshake, and a server that closes the connection right after the handshake
 without a word, which is how jobsignal's mutual TLS turns down a missing or
 untrusted client certificate.
+
+`fetch_jobs` and `check_health` are one-shot calls over the same connection
+and TLS set-up: the current jobs from the List RPC's snapshot, and the
+server's grpc.health.v1 status.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
-from typing import TypeAlias
+from dataclasses import dataclass, field
+from typing import TypeAlias, TypeVar, cast
 
 import trio
 import trio_asyncio
@@ -28,6 +32,8 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Status as GrpcStatus
 from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from jobsignal._proto.job import ClientInfo, JobStub, JobSummarySignal, JobSummarySignalList
 from jobsignal.backoff import Backoff
@@ -49,7 +55,8 @@ class SubscribeOptions:
     `tls_ca` is a PEM CA bundle that verifies the server (empty: the system's
     trust store), `tls_cert` and `tls_key` a PEM client certificate and key for
     mutual TLS, `tls_server_name` the name the server's certificate must carry
-    (empty: `host`).
+    (empty: `host`). `on_subscribed(client_id)` is called each time the client has
+    registered and sends its Subscribe request (again after every reconnect).
     """
 
     host: str
@@ -64,6 +71,7 @@ class SubscribeOptions:
     tls_cert: str = ""
     tls_key: str = ""
     tls_server_name: str = ""
+    on_subscribed: Callable[[str], object] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -197,6 +205,8 @@ async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
                 stream: AsyncIterator[Signal] = stub.subscribe_job_summary_signal_list(request)
             else:
                 stream = stub.subscribe_job_summary_signal(request)
+            if options.on_subscribed is not None:
+                options.on_subscribed(client_id)
             async for message in trio_asyncio.aio_as_trio(stream):
                 backoff.reset()
                 yield message
@@ -248,3 +258,91 @@ def _lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException |
             return inner
         group = inner
     return None
+
+
+class CallFailed(Exception):
+    """A one-shot call (`fetch_jobs`, `check_health`) failed; the message says why."""
+
+
+_Result = TypeVar("_Result")
+
+
+async def fetch_jobs(options: SubscribeOptions) -> list[JobSummarySignal]:
+    """The server's current jobs, one signal each: Register as `options.role`, take the
+    SubscribeJobSummarySignalList snapshot (its batches, until JobTotalNum jobs have
+    arrived) and hang up. For trio programs, which bound it with `trio.fail_after`;
+    CallFailed when that does not work out."""
+
+    async def snapshot(channel: Channel) -> list[JobSummarySignal]:
+        stub = JobStub(channel)
+        client_id = await _register(stub, options.role)
+        request = ClientInfo(role=options.role, client_id=client_id)
+        stream = cast(
+            "AsyncGenerator[JobSummarySignalList, None]",
+            stub.subscribe_job_summary_signal_list(request),
+        )
+        jobs: list[JobSummarySignal] = []
+        async with aclosing(stream) as batches:
+            async for batch in batches:
+                jobs += batch.job_summary_signals
+                if len(jobs) >= batch.job_total_num:
+                    return jobs
+        raise CallFailed(f"the stream ended after {len(jobs)} jobs of the snapshot")
+
+    return await _call_once(options, snapshot)
+
+
+async def check_health(options: SubscribeOptions, service: str = "") -> str:
+    """The grpc.health.v1 status of `service` ("": the server as a whole), by name:
+    SERVING, NOT_SERVING, ... For trio programs, which bound it with `trio.fail_after`;
+    CallFailed when there is no answer."""
+
+    async def check(channel: Channel) -> str:
+        try:
+            reply = await HealthStub(channel).Check(HealthCheckRequest(service=service))
+        except GRPCError as error:
+            if error.status is not GrpcStatus.NOT_FOUND:
+                raise
+            raise CallFailed(f"NOT_FOUND: the server has no health entry {service!r}") from None
+        name: str = HealthCheckResponse.ServingStatus.Name(reply.status)
+        return name
+
+    return await _call_once(options, check)
+
+
+async def _call_once(
+    options: SubscribeOptions, call: Callable[[Channel], Awaitable[_Result]]
+) -> _Result:
+    """`call` on a fresh channel to the server of `options`; grpclib's and the
+    connection's errors become CallFailed."""
+    context = client_ssl_context(options) if options.uses_tls else None
+    try:
+        async with trio_asyncio.open_loop():
+            channel = await trio_asyncio.aio_as_trio(_open_channel)(options, context)
+            try:
+                result: _Result = await trio_asyncio.aio_as_trio(call)(channel)
+                return result
+            except GRPCError as error:
+                detail = f": {error.message}" if error.message else ""
+                raise CallFailed(f"{error.status.name}{detail}") from None
+            except (StreamTerminatedError, OSError) as error:  # ssl.SSLError is an OSError
+                raise CallFailed(await _connection_failure(options, context, error)) from None
+            finally:
+                channel.close()
+    except BaseExceptionGroup as group:
+        lone = _lone_exception(group)  # as in open_subscription
+        if lone is None:
+            raise
+        raise lone from None
+
+
+async def _connection_failure(
+    options: SubscribeOptions, context: ssl.SSLContext | None, error: Exception
+) -> str:
+    if context is not None:
+        if isinstance(error, ssl.SSLCertVerificationError):
+            return _handshake_failure(options, error)
+        refusal = await _tls_refusal(options, context)
+        if refusal is not None:
+            return refusal
+    return f"cannot reach {options.host}:{options.port}: {error or type(error).__name__}"

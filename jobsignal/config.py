@@ -1,4 +1,6 @@
-"""Settings of `jobsignal serve`: one table gives each its flag, env var, default and check.
+"""Settings of `jobsignal serve`: one table gives each its flag, env var, default and check,
+its --help group (the table is written in sections) and the kind of value it takes (SECONDS,
+BYTES, HOST:PORT: named after the parser that checks it).
 
 Precedence: command-line flag, then environment variable, then default. A bad
 value raises `ConfigError` with one line naming the setting, where it came
@@ -9,6 +11,7 @@ from and what is accepted; the CLI prints it and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,14 +21,18 @@ class ConfigError(Exception):
     """A setting has a bad value; the message is one line for the user."""
 
 
-def _positive_float(text: str) -> float:
+def _positive_float(text: str, unit: str = "of seconds") -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not 0 < value < float("inf"):
-        raise ValueError("must be a positive number of seconds")
+        raise ValueError(f"must be a positive number {unit}")
     return value
+
+
+def _per_second(text: str) -> float:
+    return _positive_float(text, "per second")
 
 
 def _non_negative_float(text: str) -> float:
@@ -38,14 +45,18 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, what: str = "integer") -> int:
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 1:
-        raise ValueError("must be a positive integer")
+        raise ValueError(f"must be a positive {what}")
     return value
+
+
+def _bytes(text: str) -> int:
+    return _positive_int(text, "number of bytes")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -95,13 +106,37 @@ def _text(text: str) -> str:
     return text
 
 
+def _path(text: str) -> str:
+    return text
+
+
+# What --help shows as the value of a setting, by the parser that checks it.
+_VALUE_NAMES: dict[Callable[[str], Any], str] = {
+    parse_listen: "HOST:PORT",
+    _optional_listen: "HOST:PORT",
+    _positive_float: "SECONDS",
+    _non_negative_float: "SECONDS",
+    _per_second: "PER_SECOND",
+    _positive_int: "COUNT",
+    _bytes: "BYTES",
+    _names: "NAME,...",
+    _path: "FILE",
+    _text: "TEXT",
+}
+
+
 @dataclass(frozen=True)
 class Setting:
+    """One setting; `group` is its --help section (set by the table it is in), and
+    `metavar`, when set, overrides the value name derived from `parse`."""
+
     name: str
     default: str
     parse: Callable[[str], Any]
     help: str
     env_prefix: str = "JOBSIGNAL_"
+    metavar: str = ""
+    group: str = ""
 
     @property
     def flag(self) -> str:
@@ -111,15 +146,44 @@ class Setting:
     def env(self) -> str:
         return self.env_prefix + self.name.upper()
 
+    @property
+    def value_name(self) -> str:
+        """SECONDS, BYTES, HOST:PORT, {text,json}...: the kind of value the flag takes."""
+        if self.metavar:
+            return self.metavar
+        if isinstance(self.parse, _Choice):
+            return "{" + ",".join(self.parse.choices) + "}"
+        return _VALUE_NAMES.get(self.parse, "VALUE")
 
-SERVE_SETTINGS: tuple[Setting, ...] = (
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """The words a choice setting takes (for shell completion); () for the others."""
+        return self.parse.choices if isinstance(self.parse, _Choice) else ()
+
+
+def _in_groups(*items: str | Setting) -> tuple[Setting, ...]:
+    """A settings table written in sections: each string names the --help group of
+    the settings after it (a title may come back: its flags are shown together)."""
+    group = ""
+    settings: list[Setting] = []
+    for item in items:
+        if isinstance(item, str):
+            group = item
+        else:
+            settings.append(item if item.group else dataclasses.replace(item, group=group))
+    return tuple(settings)
+
+
+SERVE_SETTINGS: tuple[Setting, ...] = _in_groups(
+    "gRPC",
     Setting("listen", "0.0.0.0:8899", parse_listen, "gRPC listen address HOST:PORT"),
-    Setting("tls_cert", "", _text, "PEM certificate chain: serve gRPC over TLS"),
-    Setting("tls_key", "", _text, "PEM private key of --tls-cert"),
+    "TLS",
+    Setting("tls_cert", "", _path, "PEM certificate chain: serve gRPC over TLS"),
+    Setting("tls_key", "", _path, "PEM private key of --tls-cert"),
     Setting(
         "tls_client_ca",
         "",
-        _text,
+        _path,
         "PEM CA bundle: require client certificates signed by it (mutual TLS)",
     ),
     Setting(
@@ -128,12 +192,14 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         _positive_float,
         "seconds between checks of the TLS files; changed files are reloaded live",
     ),
+    "metrics",
     Setting(
         "metrics_listen",
         "",
         _optional_listen,
         "Prometheus metrics HOST:PORT, serving /metrics and /healthz (empty: off)",
     ),
+    "Kubernetes",
     Setting(
         "source",
         "auto",
@@ -141,10 +207,16 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         "where ConfigMaps come from: kubernetes (in-cluster or kubeconfig), demo (embedded"
         " emulated cluster), or auto (kubernetes when configured, else demo)",
     ),
-    Setting("kubeconfig", "", _text, "kubeconfig file (default: KUBECONFIG, ~/.kube/config)"),
-    Setting("context", "", _text, "kubeconfig context (default: current-context)"),
+    Setting("kubeconfig", "", _path, "kubeconfig file (default: KUBECONFIG, ~/.kube/config)"),
+    Setting("context", "", _text, "kubeconfig context (default: current-context)", metavar="NAME"),
     Setting("namespaces", "", _names, "namespaces to watch, comma-separated (default: all)"),
-    Setting("label_selector", "outside-job-info=true", _text, "label selector of job ConfigMaps"),
+    Setting(
+        "label_selector",
+        "outside-job-info=true",
+        _text,
+        "label selector of job ConfigMaps",
+        metavar="SELECTOR",
+    ),
     Setting("watch_timeout", "300", _positive_float, "timeoutSeconds asked of each WATCH"),
     Setting(
         "read_timeout",
@@ -152,6 +224,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         _positive_float,
         "restart a WATCH silent for this long (above the ~60 s bookmark interval)",
     ),
+    "gRPC",
     Setting(
         "idle_timeout",
         "120",
@@ -163,13 +236,16 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         "CCAgent,DefaultUser1,DefaultUser2,FdAgent",
         _names,
         "roles allowed to Register, comma-separated",
+        metavar="ROLE,...",
     ),
     Setting(
         "snapshot_roles",
         "FdAgent",
         _names,
         "roles whose SubscribeJobSummarySignal starts with the current state of every job",
+        metavar="ROLE,...",
     ),
+    "limits",
     Setting("max_subscriptions_per_role", "20", _positive_int, "active subscriptions per role"),
     Setting(
         "max_subscriptions_per_role_per_ip",
@@ -202,7 +278,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_pending_bytes",
         "67108864",
-        _positive_int,
+        _bytes,
         "bytes queued per subscriber before it is disconnected",
     ),
     Setting(
@@ -211,6 +287,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         _positive_float,
         "a write blocked this long (client not reading) disconnects the client",
     ),
+    "keepalive",
     Setting("keepalive_time", "60", _positive_float, "server PING interval to find dead peers"),
     Setting("keepalive_timeout", "5", _positive_float, "seconds to wait for a PING ACK"),
     Setting(
@@ -226,6 +303,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         _positive_int,
         "strikes allowed before GOAWAY ENHANCE_YOUR_CALM too_many_pings",
     ),
+    "HTTP/2 protection",
     Setting(
         "handshake_timeout",
         "5",
@@ -235,14 +313,14 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_stream_resets_per_second",
         "100",
-        _positive_float,
+        _per_second,
         "RST_STREAM frames per second one connection may send (bursts of twice as many);"
         " beyond: GOAWAY ENHANCE_YOUR_CALM rapid_reset",
     ),
     Setting(
         "max_control_frames_per_second",
         "500",
-        _positive_float,
+        _per_second,
         "SETTINGS, PING, WINDOW_UPDATE, PRIORITY, RST_STREAM and empty DATA frames per second"
         " one connection may send (bursts of twice as many, plus 2 per frame the server sends);"
         " beyond: GOAWAY ENHANCE_YOUR_CALM control_flood",
@@ -250,7 +328,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "read_bytes_per_turn",
         "16384",
-        _positive_int,
+        _bytes,
         "bytes of one connection's input handled per event-loop turn (fairness between peers)",
     ),
     Setting(
@@ -260,21 +338,23 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         "seconds a connection may leave the server unable to write (the peer does not read)"
         " before it is closed; meanwhile the server stops reading from it",
     ),
-    Setting("max_request_bytes", "4194304", _positive_int, "largest request message accepted"),
+    "limits",
+    Setting("max_request_bytes", "4194304", _bytes, "largest request message accepted"),
     Setting(
         "max_send_bytes",
         "4194304",
-        _positive_int,
+        _bytes,
         "largest message sent; a bigger job event goes out with an empty HcclJson (the"
         " default is gRPC clients' default receive limit; raise both together)",
     ),
     Setting("max_connections", "1024", _positive_int, "open connections in total"),
     Setting("max_connections_per_ip", "512", _positive_int, "open connections per client address"),
     Setting("max_streams_per_connection", "64", _positive_int, "concurrent RPCs on one connection"),
-    Setting("register_rate", "100", _positive_float, "Register calls per second per address"),
+    Setting("register_rate", "100", _per_second, "Register calls per second per address"),
     Setting("register_burst", "200", _positive_int, "Register calls allowed in a burst"),
-    Setting("subscribe_rate", "100", _positive_float, "Subscribe calls per second per address"),
+    Setting("subscribe_rate", "100", _per_second, "Subscribe calls per second per address"),
     Setting("subscribe_burst", "200", _positive_int, "Subscribe calls allowed in a burst"),
+    "shutdown",
     Setting(
         "drain_delay",
         "5",
@@ -283,6 +363,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
         " are still served, so load balancers stop sending new clients, before the shutdown",
     ),
     Setting("shutdown_grace", "5", _positive_float, "seconds streams get to end on shutdown"),
+    "logging",
     Setting(
         "log_level",
         "info",
@@ -295,28 +376,30 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
 
 # `jobsignal subscribe`'s TLS; env vars JOBSIGNAL_SUBSCRIBE_*, apart from serve's own files.
 _SUBSCRIBE_ENV = "JOBSIGNAL_SUBSCRIBE_"
-SUBSCRIBE_SETTINGS: tuple[Setting, ...] = (
+SUBSCRIBE_SETTINGS: tuple[Setting, ...] = _in_groups(
+    "TLS",
     Setting(
         "tls_ca",
         "",
-        _text,
+        _path,
         "PEM CA bundle verifying the server: connect over TLS ('system': the system's trust store)",
         _SUBSCRIBE_ENV,
     ),
     Setting(
         "tls_cert",
         "",
-        _text,
+        _path,
         "PEM client certificate chain for mutual TLS (needs --tls-ca)",
         _SUBSCRIBE_ENV,
     ),
-    Setting("tls_key", "", _text, "PEM private key of --tls-cert", _SUBSCRIBE_ENV),
+    Setting("tls_key", "", _path, "PEM private key of --tls-cert", _SUBSCRIBE_ENV),
     Setting(
         "tls_server_name",
         "",
         _text,
         "name the server's certificate must carry (default: the --target host)",
         _SUBSCRIBE_ENV,
+        metavar="NAME",
     ),
 )
 
@@ -372,13 +455,21 @@ class Config:
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings: Sequence[Setting]) -> None:
+    """A flag per setting, in --help groups, each naming the kind of value it takes."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for setting in settings:
-        parser.add_argument(
+        group = groups.get(setting.group)
+        if group is None:
+            group = groups[setting.group] = parser.add_argument_group(setting.group or "settings")
+        group.add_argument(
             setting.flag,
             dest=setting.name,
             default=None,
-            metavar="VALUE",
-            help=f"{setting.help} [env {setting.env}, default {setting.default!r}]",
+            metavar=setting.value_name,
+            # argparse expands %-formats in help texts: a literal % must be doubled.
+            help=f"{setting.help} [env {setting.env}, default {setting.default!r}]".replace(
+                "%", "%%"
+            ),
         )
 
 

@@ -131,7 +131,7 @@ def test_json_lines_carry_the_traceback_as_error(
 ) -> None:
     configure_logging("info", "json")
     try:
-        {}["missing"]
+        raise KeyError("missing")
     except KeyError:
         logging.getLogger("jobsignal.test").exception("lookup failed", extra={"event": "x"})
     (line,) = json_lines(capsys.readouterr().err)
@@ -186,7 +186,7 @@ def test_a_bad_log_level_is_a_clear_usage_error(capsys: pytest.CaptureFixture[st
     assert str(error.value) == (
         "JOBSIGNAL_LOG_LEVEL='loud': must be one of debug, info, warning, error (in any case)"
     )
-    for command in ("serve",):
+    for command in ("serve", "demo"):
         assert main([command, "--log-level", "LOUD"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("jobsignal: error: --log-level='LOUD': must be one of debug, info")
@@ -211,7 +211,7 @@ class JsonLog:
                 while b"\n" in self._buffer:
                     raw, _, rest = bytes(self._buffer).partition(b"\n")
                     self._buffer[:] = rest
-                    line = json.loads(raw)  # every line of the log is one JSON object
+                    line: dict[str, Any] = json.loads(raw)  # every line is one JSON object
                     self.lines.append(line)
                     if wanted(line):
                         return line
