@@ -219,6 +219,8 @@ class Record:
     max_connections: int
     started: float = 0.0
     finished: float | None = None
+    # Connections the attack keeps open at once; every one beyond is a reconnect.
+    parallel: int = 1
     connections: int = 0
     frames_sent: int = 0
     bytes_sent: int = 0
@@ -250,7 +252,8 @@ class Record:
             "attack": self.attack,
             "seconds": elapsed,
             "connections": self.connections,
-            "reconnects": max(0, self.connections - 1),
+            "parallel": self.parallel,
+            "reconnects": max(0, self.connections - self.parallel),
             "frames_sent": self.frames_sent,
             "frames_per_second": self.frames_sent / elapsed if elapsed > 0 else 0.0,
             "bytes_sent": self.bytes_sent,
@@ -361,6 +364,7 @@ class Attacker:
     ) -> None:
         """`workers` connections sending `batch()` as fast as they can, each
         reconnecting whenever the server closes it, until the attack ends."""
+        record.parallel = workers
 
         async def worker() -> None:
             while record.more():
@@ -474,6 +478,7 @@ class Attacker:
                     record.finish(wire)
                     wire.sock.close()
 
+        record.parallel = SILENT_CONNECTIONS
         async with trio.open_nursery() as nursery:
             for _ in range(SILENT_CONNECTIONS):
                 nursery.start_soon(one)

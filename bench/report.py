@@ -409,13 +409,13 @@ class Report:
 
     def attack_summary_rows(self) -> list[list[str]]:
         attack = self.r.get("attack") or {}
-        label = (
-            f"Under attack, {attack.get('subscribers', '?')} healthy subscribers at"
-            f" {attack.get('rate', 0):g} events/s"
-        )
         worst = self.worst_attack()
         if worst is None:
-            return [[label, "not run", "—", "—", "—", ""]]
+            return [["Under attack", "not run", "—", "—", "—", ""]]
+        label = (
+            f"Under attack, {attack['subscribers']} healthy subscribers at"
+            f" {attack['rate']:g} events/s"
+        )
         name = worst["attack"]
         return [
             [
@@ -845,7 +845,7 @@ class Report:
                     ATTACK_LABELS.get(row["attack"], row["attack"]),
                     _answer_cell(row),
                     f"{_num(close['median'], 3)} s" if close else "—",
-                    f"{record['reconnects']:,}",
+                    f"{record['reconnects']:,} ({record.get('parallel', 1)} at once)",
                     f"{_num(row['healthy']['p50_ms'], 1)} / {_num(row['healthy']['p99_ms'], 1)}",
                     f"{_num(row['baseline']['p50_ms'], 1)} / {_num(row['baseline']['p99_ms'], 1)}",
                     _num(row["healthy"]["max_ms"], 1),
@@ -859,7 +859,7 @@ class Report:
                 "Attack",
                 "Server answered (connections)",
                 "Until closed (median)",
-                "Reconnects",
+                "Reconnects (connections at once)",
                 "Healthy p50 / p99 ms",
                 "Baseline p50 / p99 ms",
                 "Healthy max ms",
@@ -966,10 +966,10 @@ class Report:
         source = f"jobsignal {commit}" + (
             f" with uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)"
         )
-        load = run.get("load_average") or [math.nan]
+        how = run.get("how", "another run")
         self.add(
-            f"Measured in a separate run ({run.get('how', 'another run')}) of {source};"
-            f" 1-minute load average {_num(load[0], 2)} during the scenario.",
+            f"Measured in a separate run of {source}: {how} (its load average is in the"
+            " table under Machine).",
             "",
         )
 
