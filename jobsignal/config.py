@@ -86,16 +86,25 @@ def _choice(*choices: str, any_case: bool = False) -> _Choice:
     return _Choice(choices, any_case)
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """HOST:PORT or [IPv6]:PORT."""
+def parse_listen(text: str, *, any_host: bool = False) -> tuple[str, int]:
+    """HOST:PORT or [IPv6]:PORT; with `any_host`, also :PORT (host "": every address)."""
     host, sep, port_text = text.rpartition(":")
-    if not sep or not host:
+    if not sep or not (host or any_host):
         raise ValueError("must be HOST:PORT, for example 0.0.0.0:8899")
     host = host.removeprefix("[").removesuffix("]")
     port = int(port_text) if port_text.isdigit() else -1
     if not 0 <= port <= 65535:
         raise ValueError("port must be between 0 and 65535")
     return host, port
+
+
+def parse_listen_list(text: str) -> tuple[tuple[str, int], ...]:
+    """Comma-separated HOST:PORT, [IPv6]:PORT or :PORT (every address of the host,
+    IPv4 and IPv6 where it has both)."""
+    addresses = tuple(parse_listen(item.strip(), any_host=True) for item in text.split(","))
+    if len(set(addresses)) != len(addresses):
+        raise ValueError("lists an address twice")
+    return addresses
 
 
 def _optional_listen(text: str) -> tuple[str, int] | None:
@@ -113,6 +122,7 @@ def _path(text: str) -> str:
 # What --help shows as the value of a setting, by the parser that checks it.
 _VALUE_NAMES: dict[Callable[[str], Any], str] = {
     parse_listen: "HOST:PORT",
+    parse_listen_list: "HOST:PORT,...",
     _optional_listen: "HOST:PORT",
     _positive_float: "SECONDS",
     _non_negative_float: "SECONDS",
@@ -176,7 +186,13 @@ def _in_groups(*items: str | Setting) -> tuple[Setting, ...]:
 
 SERVE_SETTINGS: tuple[Setting, ...] = _in_groups(
     "gRPC",
-    Setting("listen", "0.0.0.0:8899", parse_listen, "gRPC listen address HOST:PORT"),
+    Setting(
+        "listen",
+        ":8899",
+        parse_listen_list,
+        "gRPC listen addresses, comma-separated HOST:PORT, [IPv6]:PORT or :PORT (every"
+        " address: IPv4 and IPv6 where the host has both)",
+    ),
     "TLS",
     Setting("tls_cert", "", _path, "PEM certificate chain: serve gRPC over TLS"),
     Setting("tls_key", "", _path, "PEM private key of --tls-cert"),
@@ -406,7 +422,7 @@ SUBSCRIBE_SETTINGS: tuple[Setting, ...] = _in_groups(
 
 @dataclass(frozen=True)
 class Config:
-    listen: tuple[str, int]
+    listen: tuple[tuple[str, int], ...]
     tls_cert: str
     tls_key: str
     tls_client_ca: str

@@ -25,7 +25,7 @@ CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JOBSIGNAL
 
 def test_defaults_match_the_design() -> None:
     config = defaults()
-    assert config.listen == ("0.0.0.0", 8899)
+    assert config.listen == (("", 8899),)
     assert config.idle_timeout == 120
     assert config.roles == ("CCAgent", "DefaultUser1", "DefaultUser2", "FdAgent")
     assert config.snapshot_roles == ("FdAgent",)
@@ -36,7 +36,7 @@ def test_flag_beats_env_beats_default() -> None:
     env = {"JOBSIGNAL_IDLE_TIMEOUT": "30", "JOBSIGNAL_LISTEN": "[::1]:9000"}
     config = load_config({"idle_timeout": "45"}, env)
     assert config.idle_timeout == 45
-    assert config.listen == ("::1", 9000)
+    assert config.listen == (("::1", 9000),)
 
 
 @pytest.mark.parametrize(

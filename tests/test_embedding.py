@@ -35,7 +35,7 @@ def test_configure_validates_like_the_command_line() -> None:
     config = jobsignal.configure(
         listen="127.0.0.1:0", idle_timeout=30, roles="CCAgent", snapshot_roles=""
     )
-    assert config.listen == ("127.0.0.1", 0)
+    assert config.listen == (("127.0.0.1", 0),)
     assert config.idle_timeout == 30.0
     assert config.roles == ("CCAgent",)
     with pytest.raises(jobsignal.ConfigError, match="--idle-timeout='0'"):
