@@ -364,7 +364,9 @@ class ObservedH2Protocol(H2Protocol):
     def _ping_received(self, event: PingReceived) -> None:
         # h2 has already queued the PING ACK; only the heartbeat is ours.
         if not self.activity.ping_received():
-            log.warning("closing connection from %s: too many pings", self.peer)
+            fault_log.warning(
+                TOO_MANY_PINGS, "closing connection from %s: too many pings", self.peer
+            )
             self._table.closed_by_server[TOO_MANY_PINGS] += 1
             self.goaway(ErrorCodes.ENHANCE_YOUR_CALM, TOO_MANY_PINGS.encode())
 
