@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import trio
 
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
-from jobsignal.fanout.subscriber import EndReason, QueueEntry, StreamKind, Subscriber
+from jobsignal.fanout.subscriber import UNIQUE, EndReason, QueueEntry, StreamKind, Subscriber
 from jobsignal.logs import RateLimitedLog, quote
 from jobsignal.metrics import FanoutStats
 from jobsignal.store.model import JobKey, JobSummary
@@ -135,13 +135,14 @@ class Broadcaster:
             stats=self.stats,
         )
         if kind is StreamKind.LIST:
-            for batch in self.snapshot_batches():
-                subscriber.push_unique(batch)
+            subscriber.prime([(UNIQUE, batch, None) for batch in self.snapshot_batches()])
         elif snapshot:
+            owed: list[QueueEntry] = []
             for entry in list(self._latest.values()):
                 signal = self._snapshot_signal(entry)
                 if signal is not None:
-                    subscriber.push(entry.job.key, signal)
+                    owed.append((entry.job.key, signal, None))
+            subscriber.prime(owed)
         self._set_of(kind).add(subscriber)
         return subscriber
 

@@ -34,7 +34,7 @@ class EndReason(enum.Enum):
 
 
 # Snapshot batches are never coalesced: each carries different jobs.
-_UNIQUE: Hashable = None
+UNIQUE: Hashable = None
 
 # (job key, encoded message, trio time the source saw the event or None)
 QueueEntry = tuple[Hashable, bytes, float | None]
@@ -45,6 +45,8 @@ class Subscriber:
         "_cancel_scope",
         "_max_pending",
         "_max_pending_bytes",
+        "_owed",
+        "_owed_bytes",
         "_pending",
         "_pending_bytes",
         "_stats",
@@ -74,6 +76,10 @@ class Subscriber:
         self._stats = stats
         self._pending: deque[QueueEntry] = deque()
         self._pending_bytes = 0
+        # The snapshot this subscriber is owed sits at the front of its queue and
+        # does not count against the limits: only a live backlog on top of it does.
+        self._owed = 0
+        self._owed_bytes = 0
         self._wakeup = trio.Event()
         self._cancel_scope: trio.CancelScope | None = None
         self.end_reason: EndReason | None = None
@@ -98,28 +104,47 @@ class Subscriber:
             return
         self._pending.append(entry)
         self._pending_bytes += len(entry[1])
-        if len(self._pending) > self._max_pending or self._pending_bytes > self._max_pending_bytes:
+        if self._over_limits():
             self._coalesce()
-            if len(self._pending) > self._max_pending or (
-                self._pending_bytes > self._max_pending_bytes and len(self._pending) > 1
-            ):
+            if self._over_limits(after_coalescing=True):
                 self.end(EndReason.SLOW)
                 return
         self._wakeup.set()
 
-    def push_unique(self, frame: bytes) -> None:
-        """Queue a message that must not be coalesced (a snapshot batch)."""
-        self.push(_UNIQUE, frame)
+    def prime(self, entries: list[QueueEntry]) -> None:
+        """Queue the snapshot owed to a new subscriber, whatever its size: it is
+        the state the client asked for, not a backlog (live events that follow
+        may still coalesce with it)."""
+        for entry in entries:
+            self._pending.append(entry)
+            self._pending_bytes += len(entry[1])
+        self._owed += len(entries)
+        self._owed_bytes += sum(len(entry[1]) for entry in entries)
+        if entries:
+            self._wakeup.set()
+
+    def _over_limits(self, *, after_coalescing: bool = False) -> bool:
+        backlog = len(self._pending) - self._owed
+        backlog_bytes = self._pending_bytes - self._owed_bytes
+        if backlog > self._max_pending:
+            return True
+        # One message alone may exceed the byte limit; after coalescing it is let through.
+        return backlog_bytes > self._max_pending_bytes and not (after_coalescing and backlog <= 1)
 
     def _coalesce(self) -> None:
         newest: dict[Hashable, int] = {}
         for position, (key, _, _) in enumerate(self._pending):
-            if key is not _UNIQUE:
+            if key is not UNIQUE:
                 newest[key] = position
         kept: deque[QueueEntry] = deque()
+        owed = owed_bytes = 0
         for position, entry in enumerate(self._pending):
-            if entry[0] is _UNIQUE or newest[entry[0]] == position:
+            if entry[0] is UNIQUE or newest[entry[0]] == position:
                 kept.append(entry)
+                if position < self._owed:
+                    owed += 1
+                    owed_bytes += len(entry[1])
+        self._owed, self._owed_bytes = owed, owed_bytes
         dropped = len(self._pending) - len(kept)
         self.coalesced += dropped
         self._stats.coalesced += dropped
@@ -144,6 +169,10 @@ class Subscriber:
             if seen_at is not None:
                 seen.append(seen_at)
         self._pending_bytes -= sum(len(frame) for frame in frames)
+        if self._owed:
+            delivered_owed = frames[: self._owed]
+            self._owed -= len(delivered_owed)
+            self._owed_bytes -= sum(len(frame) for frame in delivered_owed)
         return frames, seen
 
     def attach(self, cancel_scope: trio.CancelScope) -> None:
@@ -157,6 +186,6 @@ class Subscriber:
         if self.end_reason is None:
             self.end_reason = reason
         self._pending.clear()
-        self._pending_bytes = 0
+        self._pending_bytes = self._owed = self._owed_bytes = 0
         if self._cancel_scope is not None:
             self._cancel_scope.cancel()

@@ -112,6 +112,38 @@ async def test_signal_snapshot_only_when_asked() -> None:
     assert without.pending == 0
 
 
+@pytest.mark.parametrize("kind", [StreamKind.SIGNAL, StreamKind.LIST])
+async def test_a_snapshot_larger_than_the_queue_limits_is_owed_not_a_backlog(
+    kind: StreamKind,
+) -> None:
+    broadcaster = Broadcaster(max_pending=4, max_pending_bytes=2000, batch_npus=8)
+    jobs = [dataclasses.replace(job(str(i)), hccl_json="x" * 300) for i in range(10)]
+    broadcaster.publish(jobs)
+    sub = broadcaster.subscribe(kind, "FdAgent", "1", snapshot=True)
+    # Ten messages and 3,000+ bytes queued: over both limits, and not slow.
+    assert sub.end_reason is None and sub.pending == 10
+    # A live change of a job the snapshot holds replaces its queued state.
+    broadcaster.publish([job("3", status="complete")])
+    assert sub.end_reason is None
+    delivered: list[bytes] = []
+    while sub.pending:
+        delivered += await sub.next_batch(3)
+    assert len(delivered) >= 10
+    # Once the snapshot is delivered the usual limits hold again.
+    broadcaster.publish([job(f"new-{i}") for i in range(5)])
+    assert sub.end_reason is EndReason.SLOW
+
+
+async def test_a_live_backlog_on_top_of_a_snapshot_is_still_bounded() -> None:
+    broadcaster = Broadcaster(max_pending=4)
+    broadcaster.publish([job(str(i)) for i in range(10)])
+    sub = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "1", snapshot=True)
+    broadcaster.publish([job(f"new-{i}") for i in range(4)])
+    assert sub.end_reason is None
+    broadcaster.publish([job("new-4")])
+    assert sub.end_reason is EndReason.SLOW
+
+
 @pytest.mark.parametrize(
     ("npus", "expected_batches"),
     [
