@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from jobsignal.fanout.encoding import encode_signal, encode_signal_list
 from jobsignal.fanout.subscriber import UNIQUE, EndReason, QueueEntry, StreamKind, Subscriber
 from jobsignal.logs import RateLimitedLog, quote
 from jobsignal.metrics import FanoutStats
-from jobsignal.store.model import JobKey, JobSummary
+from jobsignal.store.model import JobKey, JobSummary, event_id
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +35,24 @@ DEFAULT_BATCH_NPUS = 40_000
 
 @dataclass(slots=True)
 class EncodedJob:
-    """The latest event of a live job: its state, its uuid and, once someone
-    needs it, its encoded signal (an initial LIST with nobody subscribed yet
-    then costs no encoding at all)."""
+    """The latest event of a live job: its state and, once someone needs them,
+    its uuid and encoded signal (an initial LIST with nobody subscribed yet
+    then costs neither a digest nor an encoding).
+
+    The uuid is `event_id(job)`: derived from the state, so every replica and
+    every restart gives the same event the same id (docs/architecture.md
+    section 2), and a snapshot carries the id of the event that produced it.
+    """
 
     job: JobSummary
-    uuid: str
     encoded: bytes | None = None
+    _uuid: str | None = None
+
+    @property
+    def uuid(self) -> str:
+        if self._uuid is None:
+            self._uuid = event_id(self.job)
+        return self._uuid
 
 
 class Broadcaster:
@@ -97,7 +107,7 @@ class Broadcaster:
         stats = self.stats
         for job in jobs:
             key = job.key
-            event = EncodedJob(job, str(uuid.uuid4()))
+            event = EncodedJob(job)
             if job.is_deleted:
                 self._latest.pop(key, None)
             else:

@@ -1,8 +1,10 @@
-"""The client-visible state of one job, as the store emits it."""
+"""The client-visible state of one job, as the store emits it, and the id of an event."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import uuid
 from dataclasses import dataclass
 
 OPERATOR_ADD = "add"
@@ -57,3 +59,40 @@ class JobSummary:
         return dataclasses.replace(
             self, operator=OPERATOR_DELETE, delete_time=self.delete_time or delete_time
         )
+
+
+#: Namespace of jobsignal's event ids (fixed forever: changing it changes every id).
+EVENT_ID_NAMESPACE = uuid.UUID("720fcb38-2424-4a4c-8de0-64942ee0d6d9")
+
+
+def event_id(job: JobSummary) -> str:
+    """The uuid of the event that reports `job` in this state: the same on every
+    replica and after every restart, and different whenever a client-visible
+    field differs.
+
+    A UUIDv5 under `EVENT_ID_NAMESPACE` over the SHA-256 of the job's identity
+    and state, each field as UTF-8 (lone surrogates passed through, so nothing
+    can fail here) behind its length, in a fixed order, so no two states share
+    an encoding. `delete_time` is left out: for a job whose ConfigMaps vanished,
+    each replica stamps the delete with its own clock, and it must still be one
+    event. `npu_count` is derived from the rank table.
+    """
+    digest = hashlib.sha256()
+    for value in (
+        job.namespace,
+        job.job_id,
+        job.job_name,
+        job.framework,
+        job.job_status,
+        job.time,
+        job.total,
+        job.hccl_json,
+        job.shared_tor_ip,
+        job.master_addr,
+        job.operator,
+        job.sid,
+    ):
+        data = value.encode("utf-8", "surrogatepass")
+        digest.update(b"%d:" % len(data))
+        digest.update(data)
+    return str(uuid.uuid5(EVENT_ID_NAMESPACE, digest.hexdigest()))

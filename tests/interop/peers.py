@@ -32,7 +32,7 @@ import pytest
 import trio
 from rpc import expected_signal
 
-from jobsignal.store.model import JobSummary
+from jobsignal.store.model import JobSummary, event_id
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "protos"
@@ -276,12 +276,13 @@ def assert_signals(peer: Peer, jobs: Sequence[JobSummary], uuids: dict[str, str]
     """The peer received exactly `jobs`, in order, every field intact.
 
     `uuids` holds the server's event uuid per live job (deleted jobs have none
-    left to compare with: their uuid is only checked to be a UUID4).
+    left to compare with: their uuid is checked against the id derived from the state).
     """
     received = peer.signals
     assert [s["jobId"] for s in received] == [j.job_id for j in jobs], peer.describe()
     for signal, job in zip(received, jobs, strict=True):
-        assert uuid.UUID(signal["uuid"]).version == 4
+        assert uuid.UUID(signal["uuid"]).version == 5
+        assert signal["uuid"] == event_id(job), "event ids are derived from the state"
         expected: dict[str, Any] = expected_signal(job, uuids.get(job.job_id, signal["uuid"]))
         rank_table = expected.pop("HcclJson")
         expected |= {"hcclBytes": len(rank_table.encode()), "hcclSha256": sha256(rank_table)}

@@ -250,9 +250,15 @@ def by_job(events: Iterable[Event]) -> dict[JobKey, list[JobSummary]]:
 
 
 def assert_no_duplicates(events: list[Event]) -> None:
-    """Fresh uuid per event, cmIndex 0, and never the same state twice in a row."""
-    uuids = [event.uuid for event in events]
-    assert len(set(uuids)) == len(uuids), "an event was delivered twice"
+    """cmIndex 0, and per job never the same event (uuid) or state twice in a row.
+
+    Event ids are derived from the state, so a job back in an earlier state
+    (ended, then listed again unchanged) carries that state's uuid again.
+    """
+    last_uuid: dict[JobKey, str] = {}
+    for event in events:
+        assert last_uuid.get(event.job.key) != event.uuid, "an event was delivered twice"
+        last_uuid[event.job.key] = event.uuid
     assert {event.cm_index for event in events} <= {"0"}
     for key, jobs in by_job(events).items():
         for before, after in itertools.pairwise(jobs):

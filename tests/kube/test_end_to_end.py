@@ -34,6 +34,7 @@ from jobsignal.kube.emulator import (
     open_emulator,
 )
 from jobsignal.rpc.server import SOURCE_HEALTH_NAME
+from jobsignal.store.model import event_id
 
 from .helpers import (
     Cluster,
@@ -150,8 +151,10 @@ async def settle(stream: GrpcStream, cluster: Cluster, marker: ClusterdJob) -> l
     return events
 
 
-def assert_uuid4(value: str) -> None:
-    assert uuid.UUID(value).version == 4, value
+def assert_event_uuid(event: Event) -> None:
+    """Event ids are derived from the state (UUIDv5), the same on every replica."""
+    assert uuid.UUID(event.uuid).version == 5, event.uuid
+    assert event.uuid == event_id(event.job), event
 
 
 @pytest.fixture
@@ -219,7 +222,7 @@ async def test_whole_lifecycle_of_a_job(
     ]
     assert len(events) == 5
     for event in events:
-        assert_uuid4(event.uuid)
+        assert_event_uuid(event)
     assert_no_duplicates(events)
     # The watcher reached the emulator with the kubeconfig's token, and only with it.
     assert {r.authorization for r in emu.requests} == {f"Bearer {TOKEN}"}

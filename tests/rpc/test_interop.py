@@ -17,7 +17,7 @@ import grpc
 import trio
 from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
 
-from jobsignal.store.model import JobSummary
+from jobsignal.store.model import JobSummary, event_id
 
 from . import (
     ROLES,
@@ -210,8 +210,9 @@ async def test_every_event_reaches_every_subscriber_once_in_order(
         lists = (await list_stream.wait_for(len(events) + 2))[1:]
 
     uuids = [message.uuid for message in received[0]]
-    for value in uuids:
-        assert_uuid4(value)
+    for value, job in zip(uuids, [*events, marker], strict=True):
+        assert uuid.UUID(value).version == 5, value
+        assert value == event_id(job), "event ids are derived from the state"
     assert len(set(uuids)) == len(uuids), "uuid must be fresh per event"
     expected = [
         expected_signal(job, uid) for job, uid in zip([*events, marker], uuids, strict=True)
