@@ -254,6 +254,10 @@ class ObservedH2Protocol(H2Protocol):
         self._update_reading()
 
     def _handle_input(self, chunk: bytes) -> None:
+        broken = self.budget.charge_input(chunk, trio.current_time())
+        if broken is not None:
+            self._enhance_your_calm(broken)
+            return
         try:
             events = self.connection.feed(chunk)
         except ProtocolError as error:
@@ -269,12 +273,7 @@ class ObservedH2Protocol(H2Protocol):
             self.processor.close(reason=f"protocol error: {error}")
             return
         self.connection.flush()
-        now = trio.current_time()
         for event in events:
-            broken = self.budget.charge(event, now)
-            if broken is not None:
-                self._enhance_your_calm(broken)
-                return
             if isinstance(event, RemoteSettingsChanged) and self._handshake_timer is not None:
                 self._handshake_timer.cancel()
                 self._handshake_timer = None

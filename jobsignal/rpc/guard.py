@@ -1,18 +1,21 @@
 """What one HTTP/2 peer may make the server do: the per-connection abuse budgets.
 
 Pure bookkeeping with time passed in (trio's clock in production, so every
-rule is testable in virtual time). The protocol in `rpc.connections` feeds
-each h2 event it receives to `ConnectionBudget.charge`, which names the rule
-the peer broke, if any; the protocol then sends GOAWAY ENHANCE_YOUR_CALM.
+rule is testable in virtual time). The protocol in `rpc.connections` hands
+every byte a peer sends to `ConnectionBudget.charge_input` before h2 sees it:
+frames are counted from their 9-byte headers on the wire, so frames h2
+answers by itself without an event (DATA on a stream it already closed, say)
+count too. It returns the rule the peer broke, if any; the protocol then
+sends GOAWAY ENHANCE_YOUR_CALM.
 
 - Stream resets (RST_STREAM from the client): a token bucket, so a client may
   cancel its calls, even many at once, but not open-and-reset streams at a
   rate (the Rapid Reset attack, CVE-2023-44487).
-- Control frames (SETTINGS, PING, PING ACK, WINDOW_UPDATE, PRIORITY,
-  RST_STREAM, unknown frame types, DATA frames with no payload that do not
-  end the stream): a token bucket that also earns two tokens for every DATA
-  or HEADERS frame the server sends, because a client legitimately answers
-  the data it receives with WINDOW_UPDATEs (one for the stream, one for the
+- Control frames (SETTINGS, PING, WINDOW_UPDATE, PRIORITY, RST_STREAM,
+  GOAWAY, unknown frame types, DATA frames with no payload that do not end
+  the stream): a token bucket that also earns two tokens for every DATA or
+  HEADERS frame the server sends, because a client legitimately answers the
+  data it receives with WINDOW_UPDATEs (one for the stream, one for the
   connection) and grpc-go pings with them (BDP estimation).
 
 These are what grpc-go, gRPC core, nginx and Envoy bound too; the defaults
@@ -24,19 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2.events import (
-    DataReceived,
-    Event,
-    PingAckReceived,
-    PingReceived,
-    PriorityUpdated,
-    RemoteSettingsChanged,
-    SettingsAcknowledged,
-    StreamReset,
-    UnknownFrameReceived,
-    WindowUpdated,
-)
-
 RAPID_RESET = "rapid_reset"
 CONTROL_FLOOD = "control_flood"
 
@@ -44,16 +34,14 @@ CONTROL_FLOOD = "control_flood"
 # stream and one for the connection.
 CREDIT_PER_FRAME_SENT = 2.0
 
-_CONTROL_EVENTS = (
-    RemoteSettingsChanged,
-    SettingsAcknowledged,
-    PingReceived,
-    PingAckReceived,
-    WindowUpdated,
-    PriorityUpdated,
-    StreamReset,
-    UnknownFrameReceived,
-)
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+FRAME_HEADER_SIZE = 9
+DATA, HEADERS, RST_STREAM, CONTINUATION = 0x0, 0x1, 0x3, 0x9
+END_STREAM = 0x1
+# Frame types that carry requests: HEADERS and CONTINUATION (bounded by h2's
+# header limits and the stream budgets). Every other type is a control frame,
+# unknown types included; DATA only when empty and not ending its stream.
+_REQUEST_FRAMES = frozenset({HEADERS, CONTINUATION})
 
 
 @dataclass(frozen=True)
@@ -100,7 +88,7 @@ class TokenBucket:
 
 
 class ConnectionBudget:
-    """The budgets of one connection."""
+    """The budgets of one connection, charged from the frames on the wire."""
 
     def __init__(self, limits: ProtocolLimits, now: float) -> None:
         self.resets = TokenBucket(
@@ -109,23 +97,46 @@ class ConnectionBudget:
         self.control = TokenBucket(
             limits.max_control_frames_per_second, 2 * limits.max_control_frames_per_second, now
         )
+        self._preface_left = len(PREFACE)  # the client preface comes before any frame
+        self._header = bytearray()  # a frame header split across reads
+        self._payload_left = 0  # bytes of the current frame still to skip
 
     def frames_sent(self, count: int = 1) -> None:
         """The server sent DATA or HEADERS frames: the peer may answer them."""
         self.control.give(CREDIT_PER_FRAME_SENT * count)
 
-    def charge(self, event: Event, now: float) -> str | None:
-        """Account for one received event; the rule it breaks, or None."""
-        resets_a_stream = isinstance(event, StreamReset) and event.remote_reset
-        if resets_a_stream and not self.resets.take(now):
+    def charge_input(self, data: bytes, now: float) -> str | None:
+        """Account for the frames that start in `data`; the rule broken, or None."""
+        view = memoryview(data)
+        position = min(self._preface_left, len(view))
+        self._preface_left -= position
+        broken: str | None = None
+        while position < len(view):
+            if self._payload_left:
+                skipped = min(self._payload_left, len(view) - position)
+                self._payload_left -= skipped
+                position += skipped
+                continue
+            wanted = FRAME_HEADER_SIZE - len(self._header)
+            self._header += view[position : position + wanted]
+            position += min(wanted, len(view) - position)
+            if len(self._header) < FRAME_HEADER_SIZE:
+                break
+            length = int.from_bytes(self._header[:3], "big")
+            frame_type, flags = self._header[3], self._header[4]
+            self._header.clear()
+            self._payload_left = length
+            # The whole input is still scanned, so that the next read starts in step.
+            broken = broken or self._charge_frame(frame_type, flags, length, now)
+        return broken
+
+    def _charge_frame(self, frame_type: int, flags: int, length: int, now: float) -> str | None:
+        if frame_type == RST_STREAM and not self.resets.take(now):
             return RAPID_RESET
-        if _is_control(event) and not self.control.take(now):
+        if frame_type in _REQUEST_FRAMES:
+            return None
+        if frame_type == DATA and (length or flags & END_STREAM):
+            return None
+        if not self.control.take(now):
             return CONTROL_FLOOD
         return None
-
-
-def _is_control(event: Event) -> bool:
-    if isinstance(event, DataReceived):
-        # An empty DATA frame that does not end its stream carries nothing.
-        return not event.data and event.stream_ended is None
-    return isinstance(event, _CONTROL_EVENTS)

@@ -558,3 +558,28 @@ async def test_a_continuation_flood_ends_only_its_connection() -> None:
         code, _ = goaway_of(peer)
         assert code == ErrorCodes.PROTOCOL_ERROR
         assert server.connections.closed_by_server["protocol_error"] == 1
+
+
+async def test_empty_data_on_a_stream_the_server_closed_still_counts(
+    grpc_clients: GrpcioClients,
+) -> None:
+    """h2 answers such frames with RST_STREAM by itself, without an event."""
+    async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
+        healthy = await open_healthy(server, grpc_clients, nursery)
+        async with raw_peer(server.port) as peer:
+            await peer.handshake()
+            # A request ended at once: the server answers and closes stream 1.
+            await peer.send(
+                peer.headers_frame(1, grpc_request_headers(server.port), end_stream=True)
+            )
+            await peer.read_until(lambda p: 1 in p.ended_streams())
+
+            async def attack() -> None:
+                for _ in range(10):
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await peer.send(*(DataFrame(1, b"") for _ in range(500)))
+
+            await publish_while(server, healthy, attack)
+            await peer.read_until(has_goaway)
+            assert goaway_of(peer) == (ErrorCodes.ENHANCE_YOUR_CALM, CONTROL_FLOOD.encode())
+        await healthy.assert_got_everything()

@@ -1,0 +1,90 @@
+"""The per-connection HTTP/2 budgets (rpc/guard.py), frame by frame, with time passed in."""
+
+from __future__ import annotations
+
+from hyperframe.frame import (
+    DataFrame,
+    Frame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from jobsignal.rpc.guard import (
+    CONTROL_FLOOD,
+    PREFACE,
+    RAPID_RESET,
+    ConnectionBudget,
+    ProtocolLimits,
+)
+
+LIMITS = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=5)
+
+
+def wire(*frames: Frame) -> bytes:
+    return b"".join(frame.serialize() for frame in frames)
+
+
+def budget() -> ConnectionBudget:
+    fresh = ConnectionBudget(LIMITS, now=0.0)
+    assert fresh.charge_input(PREFACE + wire(SettingsFrame(0)), 0.0) is None
+    return fresh
+
+
+def test_control_frames_get_a_burst_of_twice_the_rate_then_the_rate() -> None:
+    guard = budget()  # the client's SETTINGS took one token of 10
+    assert guard.charge_input(wire(*[PingFrame(0)] * 9), 0.0) is None
+    assert guard.charge_input(wire(PingFrame(0)), 0.0) == CONTROL_FLOOD
+    # Half a second later 2.5 tokens have come back: two frames, not three.
+    assert guard.charge_input(wire(PingFrame(0), PingFrame(0)), 0.5) is None
+    assert guard.charge_input(wire(PingFrame(0)), 0.5) == CONTROL_FLOOD
+
+
+def test_every_kind_of_control_frame_counts_and_requests_do_not() -> None:
+    guard = budget()
+    requests = wire(
+        HeadersFrame(1, b"", flags=["END_HEADERS"]),
+        DataFrame(1, b"payload"),
+        DataFrame(1, b"", flags=["END_STREAM"]),  # an empty DATA that ends the stream
+    )
+    for _ in range(100):
+        assert guard.charge_input(requests, 0.0) is None
+    controls = wire(
+        SettingsFrame(0),
+        WindowUpdateFrame(0, window_increment=1),
+        DataFrame(1, b""),  # empty and not ending the stream: a control frame
+        PingFrame(0),
+    )
+    # 9 tokens were left: two rounds of 4 pass, the third does not.
+    assert guard.charge_input(controls, 0.0) is None
+    assert guard.charge_input(controls, 0.0) is None
+    assert guard.charge_input(controls, 0.0) == CONTROL_FLOOD
+
+
+def test_frames_split_across_reads_are_counted_once() -> None:
+    guard = budget()
+    data = wire(*[PingFrame(0)] * 9)
+    for start in range(0, len(data), 7):  # headers and payloads cut anywhere
+        assert guard.charge_input(data[start : start + 7], 0.0) is None
+    assert guard.charge_input(wire(PingFrame(0)), 0.0) == CONTROL_FLOOD
+
+
+def test_frames_the_server_sends_earn_the_peer_window_updates() -> None:
+    guard = budget()
+    assert guard.charge_input(wire(*[PingFrame(0)] * 9), 0.0) is None
+    guard.frames_sent(3)  # six more tokens
+    assert guard.charge_input(wire(*[WindowUpdateFrame(1, window_increment=1)] * 6), 0.0) is None
+    assert guard.charge_input(wire(PingFrame(0)), 0.0) == CONTROL_FLOOD
+
+
+def test_stream_resets_have_their_own_budget() -> None:
+    # Resets are control frames too: a large control budget leaves the reset rule alone.
+    limits = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=1000)
+    guard = ConnectionBudget(limits, now=0.0)
+    resets = [RstStreamFrame(1 + 2 * i) for i in range(20)]
+    assert guard.charge_input(PREFACE + wire(*resets), 0.0) is None
+    assert guard.charge_input(wire(RstStreamFrame(99)), 0.0) == RAPID_RESET
+    assert guard.charge_input(wire(RstStreamFrame(101), RstStreamFrame(103)), 0.2) is None
+    assert guard.charge_input(wire(RstStreamFrame(105)), 0.2) == RAPID_RESET
