@@ -180,15 +180,14 @@ async def receive(stream: ServerStream, size: int) -> bytes | None:
     return data
 
 
-def try_send_now(stream: ServerStream, data: bytes, flush: Callable[[], None]) -> bool:
-    """Queue `data` on the stream at once if HTTP/2 lets it go without waiting; else False.
+def send_now(stream: ServerStream, data: memoryview) -> int:
+    """Queue as much of `data` as HTTP/2 lets go without waiting; the bytes queued (0: wait).
 
-    The common case (headers sent, socket writable, flow-control window open)
-    needs no asyncio at all: grpclib's HTTP/2 state is plain objects on this
-    same thread, so a trio task frames the data directly. h2 keeps the frames
-    (and its flow-control windows already count them); `flush` is asked to
-    write the connection's output, which it may do once for every stream that
-    wrote in the same loop turn.
+    grpclib's HTTP/2 state is plain objects on this same thread, so a trio
+    task frames the data directly. h2 keeps the frames (its flow-control
+    windows already count them) until the connection's output is written.
+    Nothing goes before the response headers, on a paused socket or past the
+    stream's window.
     """
     h2_stream = stream._stream
     connection = h2_stream.connection
@@ -197,21 +196,19 @@ def try_send_now(stream: ServerStream, data: bytes, flush: Callable[[], None]) -
         or not connection.write_ready.is_set()
         or connection.is_closing()
     ):
-        return False
+        return 0
     stream_id = h2_stream.id
     assert stream_id is not None  # set when the request arrived
     h2_connection = h2_stream._h2_connection
     try:
-        if h2_connection.local_flow_control_window(stream_id) < len(data):
-            return False
+        size = min(len(data), h2_connection.local_flow_control_window(stream_id))
         frame_size = h2_connection.max_outbound_frame_size
-        for start in range(0, len(data), frame_size):
-            h2_connection.send_data(stream_id, data[start : start + frame_size])
+        for start in range(0, size, frame_size):
+            h2_connection.send_data(stream_id, bytes(data[start : min(size, start + frame_size)]))
     except StreamClosedError:
-        return False
+        return 0
     connection.data_send_process()
-    flush()
-    return True
+    return size
 
 
 async def send_waiting(stream: ServerStream, data: bytes) -> None:

@@ -30,7 +30,7 @@ from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
 from jobsignal.rpc.requests import read_client_info
 from jobsignal.rpc.session import SessionSettings, serve_subscription
-from jobsignal.rpc.writer import write_frames, write_frames_now
+from jobsignal.rpc.writer import StreamWriter
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)
@@ -223,9 +223,7 @@ class JobService:
     async def _serve_stream(self, kind: StreamKind, stream: Stream, request: ClientInfo) -> None:
         activity = self.connections.activity_of(stream)
         # Not the protocol itself: grpclib keeps finished handlers for a while.
-        output = self.connections.protocol_of(stream).output
-        send_frames = functools.partial(trio_asyncio.aio_as_trio(write_frames), stream)
-        send_now = functools.partial(write_frames_now, stream, output.schedule)
+        writer = StreamWriter(stream, self.connections.protocol_of(stream).output.schedule)
         end = await trio_asyncio.trio_as_aio(
             functools.partial(
                 serve_subscription,
@@ -236,8 +234,7 @@ class JobService:
                 broadcaster=self.broadcaster,
                 settings=self.settings,
                 activity=activity,
-                send_frames=send_frames,
-                send_now=send_now,
+                send=writer.write,
             )
         )()
         await stream.send_trailing_metadata(status=end.status, status_message=end.message)

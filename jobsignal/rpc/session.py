@@ -30,13 +30,9 @@ log = logging.getLogger(__name__)
 # small enough that one batch never hogs the loop.
 MAX_BATCH = 256
 
-SendFrames = Callable[[list[bytes]], Awaitable[None]]
-# Writes a batch at once if nothing would have to wait; False means "use SendFrames".
-SendNow = Callable[[list[bytes]], bool]
-
-
-def _never_now(frames: list[bytes]) -> bool:
-    return False
+# Writes a batch to the client; True when it went out without waiting for
+# HTTP/2 flow control or the socket (`rpc.writer.StreamWriter.write`).
+Send = Callable[[list[bytes]], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
@@ -112,8 +108,7 @@ async def serve_subscription(
     broadcaster: Broadcaster,
     settings: SessionSettings,
     activity: ConnectionActivity,
-    send_frames: SendFrames,
-    send_now: SendNow = _never_now,
+    send: Send,
 ) -> StreamEnd:
     """Serve one Subscribe* stream until it ends; return the status to send."""
     try:
@@ -164,14 +159,15 @@ async def serve_subscription(
             with idle.scope:
                 while True:
                     frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
-                    if send_now(frames):
+                    at_once = False
+                    with trio.move_on_after(settings.send_timeout) as send_scope:
+                        at_once = await send(frames)
+                    if send_scope.cancelled_caught:
+                        subscriber.end(EndReason.SLOW)
+                    elif at_once:
                         broadcaster.stats.batches_written_at_once += 1
                     else:
                         broadcaster.stats.batches_written_waiting += 1
-                        with trio.move_on_after(settings.send_timeout) as send_scope:
-                            await send_frames(frames)
-                        if send_scope.cancelled_caught:
-                            subscriber.end(EndReason.SLOW)
                     idle.touch()
                     _record_delivery(broadcaster, frames, seen)
             if idle.scope.cancelled_caught:

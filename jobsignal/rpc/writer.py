@@ -1,10 +1,14 @@
 """Writing batches of pre-encoded messages to a grpclib server stream.
 
 gRPC messages may share DATA frames, so a batch is framed (flag byte,
-big-endian length, message) into one byte string. `write_frames_now` is the
-fast path, called straight from the subscriber's trio task when HTTP/2 need
-not wait; `write_frames` is the asyncio coroutine (one trio->asyncio hop)
-for everything else. The HTTP/2 internals both need are in `rpc._grpclib`.
+big-endian length, message) into one byte string. `StreamWriter.write` runs
+in the subscriber's trio task: what HTTP/2 lets go at once (headers sent,
+socket writable, flow-control window open) is queued straight into h2,
+without the trio->asyncio hop that dominates the cost of small batches, at
+most `WRITE_SLICE` bytes per loop turn, so one large rank table cannot hold
+the loop while other streams wait. Whatever has to wait goes through grpclib
+on the asyncio side (one hop). The HTTP/2 internals both need are in
+`rpc._grpclib`.
 """
 
 from __future__ import annotations
@@ -13,32 +17,51 @@ from collections.abc import Callable
 from typing import Any
 
 import grpclib.server
+import trio
+import trio_asyncio
 
 from jobsignal.rpc import _grpclib
 
 Stream = grpclib.server.Stream[Any, Any]
 
 _UNCOMPRESSED = b"\x00"
+# Bytes one stream may queue per loop turn: a 4 MiB event goes out in 16
+# turns, and other streams (small events to other clients) write in between.
+WRITE_SLICE = 256 * 1024
 
 
-def _frame(frames: list[bytes]) -> bytes:
+def frame(frames: list[bytes]) -> bytes:
     parts: list[bytes] = []
-    for frame in frames:
-        parts += (_UNCOMPRESSED, len(frame).to_bytes(4, "big"), frame)
+    for message in frames:
+        parts += (_UNCOMPRESSED, len(message).to_bytes(4, "big"), message)
     return b"".join(parts)
 
 
-def write_frames_now(stream: Stream, flush: Callable[[], None], frames: list[bytes]) -> bool:
-    """Write a batch without waiting, if HTTP/2 lets it go at once; else False.
+class StreamWriter:
+    """Writes one server stream's batches; `flush` writes its connection's output
+    once per loop turn (`rpc.connections.OutputFlusher.schedule`)."""
 
-    Skips the trio->asyncio hop that dominates the cost of small batches;
-    anything that would have to wait goes through `write_frames` instead.
-    `flush` writes the connection's output (once per loop turn for all its
-    streams: `OutputFlusher.schedule`).
-    """
-    return _grpclib.try_send_now(stream, _frame(frames), flush)
+    def __init__(self, stream: Stream, flush: Callable[[], None]) -> None:
+        self._stream = stream
+        self._flush = flush
+        self._send_waiting = trio_asyncio.aio_as_trio(_grpclib.send_waiting)
 
-
-async def write_frames(stream: Stream, frames: list[bytes]) -> None:
-    """Write a batch, waiting for flow control as needed; also sends the response headers."""
-    await _grpclib.send_waiting(stream, _frame(frames))
+    async def write(self, frames: list[bytes]) -> bool:
+        """Write a batch; True when it all went out without waiting."""
+        data = memoryview(frame(frames))
+        sent = 0
+        # The slices are never waited for, so they are shielded: a stream
+        # cancelled mid-message must not leave a truncated message behind.
+        with trio.CancelScope(shield=True):
+            while sent < len(data):
+                if sent:
+                    await trio.lowlevel.checkpoint()
+                queued = _grpclib.send_now(self._stream, data[sent : sent + WRITE_SLICE])
+                if not queued:
+                    break
+                sent += queued
+                self._flush()
+        if sent == len(data):
+            return True
+        await self._send_waiting(self._stream, bytes(data[sent:]))
+        return False

@@ -45,6 +45,7 @@ from jobsignal._proto.job import ClientInfo, Status
 from jobsignal.rpc.guard import CONTROL_FLOOD, RAPID_RESET, ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
+from jobsignal.rpc.writer import WRITE_SLICE
 
 from . import (
     ServerHarness,
@@ -583,3 +584,53 @@ async def test_empty_data_on_a_stream_the_server_closed_still_counts(
             await peer.read_until(has_goaway)
             assert goaway_of(peer) == (ErrorCodes.ENHANCE_YOUR_CALM, CONTROL_FLOOD.encode())
         await healthy.assert_got_everything()
+
+
+async def test_a_large_message_is_written_one_slice_per_loop_turn() -> None:
+    """With every window open, a 2 MB rank table still leaves the loop between slices."""
+    settings = local_settings(session=SessionSettings(snapshot_roles=frozenset({"FdAgent"})))
+    async with open_jobsignal_server(settings) as server, raw_peer(server.port) as peer:
+        await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
+        await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
+        await peer.send(
+            peer.headers_frame(1, grpc_request_headers(server.port)),
+            DataFrame(1, register_body("FdAgent"), flags=["END_STREAM"]),
+        )
+        await peer.read_until(lambda p: 1 in p.ended_streams())
+        reply = [f for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == 1]
+        message = bytes(ClientInfo(role="FdAgent", client_id=_client_id_of(reply[0].data)))
+        path = "/job.Job/SubscribeJobSummarySignal"
+        await peer.send(
+            peer.headers_frame(3, grpc_request_headers(server.port, path)),
+            DataFrame(3, b"\x00" + len(message).to_bytes(4, "big") + message, flags=["END_STREAM"]),
+        )
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
+        server.broadcaster.publish([make_job(1)])  # the response headers go out first
+        await peer.read_until(lambda p: _data_on(p, 3) > 0)
+        (protocol,) = server.connections.protocols()
+        transport = protocol.connection._transport
+        writes: list[int] = []
+        write = transport.write
+
+        def counted_write(data: bytes) -> None:
+            writes.append(len(data))
+            write(data)
+
+        setattr(transport, "write", counted_write)  # noqa: B010  (an instance, not the class)
+        before = _data_on(peer, 3)
+        big = make_job(2, npus=30_000)
+        size = len(big.hccl_json)
+        assert size > 2_000_000
+        server.broadcaster.publish([big])
+        await peer.read_until(lambda p: _data_on(p, 3) - before > size)
+        # Written whole it would be one write of `size`; sliced, the loop turns
+        # between slices (an output flush may still take two slices at once).
+        assert WRITE_SLICE <= 512 * 1024
+        assert len(writes) >= 4, writes
+        assert max(writes) < size // 2, writes
+
+
+def _data_on(peer: RawPeer, stream_id: int) -> int:
+    return sum(
+        len(f.data) for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == stream_id
+    )

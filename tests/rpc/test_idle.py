@@ -35,8 +35,9 @@ class Harness:
         self.ended_at: float | None = None
         self.client_id = self.registry.register(ROLE, trio.current_time(), address=self.activity.ip)
 
-    async def send(self, frames: list[bytes]) -> None:
+    async def send(self, frames: list[bytes]) -> bool:
         self.sent_at.extend(trio.current_time() for _ in frames)
+        return True
 
     async def serve(self, kind: StreamKind = StreamKind.SIGNAL) -> None:
         self.end = await serve_subscription(
@@ -47,7 +48,7 @@ class Harness:
             broadcaster=self.broadcaster,
             settings=self.settings,
             activity=self.activity,
-            send_frames=self.send,
+            send=self.send,
         )
         self.ended_at = trio.current_time()
 
@@ -138,7 +139,7 @@ async def test_stalled_send_ends_with_resource_exhausted(
 ) -> None:
     harness = Harness(SessionSettings(idle_timeout=120, send_timeout=60))
 
-    async def never_completes(frames: list[bytes]) -> None:
+    async def never_completes(frames: list[bytes]) -> bool:
         await trio.sleep_forever()
 
     harness.send = never_completes  # type: ignore[method-assign]
