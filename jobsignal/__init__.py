@@ -16,6 +16,15 @@ Subscribe from trio, with keepalive, re-registration and backoff built in::
     async with jobsignal.open_subscription(options) as signals:
         async for signal in signals:   # JobSummarySignal (or JobSummarySignalList with list_mode)
             print(signal.job_name, signal.job_status)
+
+Job events in-process, without gRPC (plain dataclasses; see jobsignal.events)::
+
+    async with jobsignal.watch_jobs(config) as events:      # a watcher, no server
+        async for event in events:                          # JobEvent
+            print(event.kind, event.job.job_name, event.job.job_status, event.uuid)
+
+    async with server.open_subscription() as events:        # on a running server
+        ...
 """
 
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
@@ -23,6 +32,17 @@ from jobsignal.app import RunningJobsignal
 from jobsignal.app import run_jobsignal as serve
 from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription, subscribe
 from jobsignal.config import Config, ConfigError, configure
+from jobsignal.embed import watch_jobs
+from jobsignal.events import (
+    EventKind,
+    FellBehind,
+    JobEvent,
+    JobEvents,
+    JobState,
+    RankDevice,
+    RankServer,
+    RankTable,
+)
 from jobsignal.rpc import _grpclib
 
 # Before any grpclib handler or call runs on trio-asyncio (Python 3.12+).
@@ -33,8 +53,16 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "ConfigError",
+    "EventKind",
+    "FellBehind",
+    "JobEvent",
+    "JobEvents",
+    "JobState",
     "JobSummarySignal",
     "JobSummarySignalList",
+    "RankDevice",
+    "RankServer",
+    "RankTable",
     "RunningJobsignal",
     "SubscribeFailed",
     "SubscribeOptions",
@@ -42,4 +70,5 @@ __all__ = [
     "open_subscription",
     "serve",
     "subscribe",
+    "watch_jobs",
 ]

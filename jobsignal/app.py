@@ -13,7 +13,8 @@ import os
 import signal
 import ssl
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,7 @@ import httpx
 import trio
 
 from jobsignal.config import Config, ConfigError
+from jobsignal.events import JobEvents
 from jobsignal.fanout import Broadcaster
 from jobsignal.kube.api import KubeApi, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
@@ -64,6 +66,22 @@ class RunningJobsignal:
     def request_shutdown(self) -> None:
         """End every stream with UNAVAILABLE, stop the server, return from run_jobsignal."""
         self.shutdown.set()
+
+    @asynccontextmanager
+    async def open_subscription(self, *, snapshot: bool = True) -> AsyncIterator[JobEvents]:
+        """Job events in-process, from the broadcaster that feeds the gRPC streams.
+
+        Enters once the first LIST is applied; with `snapshot` the channel
+        starts with an ADDED event for every live job. The queue is bounded
+        like a stream's (`--max-pending-messages`, `--max-pending-bytes`); the
+        channel ends when the server shuts down. Leaving the block closes it.
+        """
+        await self.status.ready.wait()
+        events = JobEvents(self.broadcaster, snapshot=snapshot)
+        try:
+            yield events
+        finally:
+            events.close()
 
 
 def server_settings(config: Config) -> ServerSettings:

@@ -17,8 +17,16 @@ def test_public_api_is_small_and_documented() -> None:
     assert sorted(jobsignal.__all__) == [
         "Config",
         "ConfigError",
+        "EventKind",
+        "FellBehind",
+        "JobEvent",
+        "JobEvents",
+        "JobState",
         "JobSummarySignal",
         "JobSummarySignalList",
+        "RankDevice",
+        "RankServer",
+        "RankTable",
         "RunningJobsignal",
         "SubscribeFailed",
         "SubscribeOptions",
@@ -26,6 +34,7 @@ def test_public_api_is_small_and_documented() -> None:
         "open_subscription",
         "serve",
         "subscribe",
+        "watch_jobs",
     ]
     for name in jobsignal.__all__:
         assert getattr(jobsignal, name).__doc__, f"{name} has no docstring"

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import trio
 
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
-from jobsignal.fanout.subscriber import UNIQUE, EndReason, QueueEntry, StreamKind, Subscriber
+from jobsignal.fanout.subscriber import (
+    UNIQUE,
+    EndReason,
+    EventQueue,
+    QueuedEvent,
+    QueueEntry,
+    StreamKind,
+    Subscriber,
+)
 from jobsignal.logs import RateLimitedLog, quote
 from jobsignal.metrics import FanoutStats
 from jobsignal.store.model import JobKey, JobSummary, event_id
@@ -76,6 +84,8 @@ class Broadcaster:
         self._latest: dict[JobKey, EncodedJob] = {}
         self._signal_subscribers: set[Subscriber] = set()
         self._list_subscribers: set[Subscriber] = set()
+        # In-process consumers (jobsignal.watch_jobs, RunningJobsignal.open_subscription).
+        self._event_queues: set[EventQueue] = set()
         self.stats = stats or FanoutStats()
         self._faults = RateLimitedLog(log)
 
@@ -113,6 +123,10 @@ class Broadcaster:
             else:
                 self._latest[key] = event
             stats.events_published += 1
+            if self._event_queues:
+                queued = (key, QueuedEvent(job, event.uuid), seen_at)
+                for queue in self._event_queues:
+                    queue.push_entry(queued)
             if not (self._signal_subscribers or self._list_subscribers):
                 continue
             try:
@@ -159,9 +173,34 @@ class Broadcaster:
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self._set_of(subscriber.kind).discard(subscriber)
 
+    def subscribe_events(self, *, snapshot: bool) -> EventQueue:
+        """A queue of job events for an in-process consumer, with the same
+        bounds as a stream's; primed with every live job's latest event if
+        `snapshot` (in the same synchronous step, so nothing falls between)."""
+        queue = EventQueue(
+            max_pending=self._max_pending,
+            max_pending_bytes=self._max_pending_bytes,
+            stats=self.stats,
+        )
+        if snapshot:
+            queue.prime(
+                [(e.job.key, QueuedEvent(e.job, e.uuid), None) for e in list(self._latest.values())]
+            )
+        self._event_queues.add(queue)
+        return queue
+
+    def unsubscribe_events(self, queue: EventQueue) -> None:
+        self._event_queues.discard(queue)
+
+    @property
+    def event_queues(self) -> frozenset[EventQueue]:
+        return frozenset(self._event_queues)
+
     def end_all(self, reason: EndReason) -> None:
         for subscriber in self.subscribers:
             subscriber.end(reason)
+        for queue in self.event_queues:
+            queue.end(reason)
 
     def snapshot_batches(self) -> Iterator[bytes]:
         """The current state as JobSummarySignalList batches (docs/architecture.md section 2).

@@ -1,22 +1,26 @@
-"""One subscriber's bounded, coalescing queue of encoded messages.
+"""One subscriber's bounded, coalescing queue: encoded messages for a gRPC
+stream (`Subscriber`), job events for an in-process consumer (`EventQueue`).
 
-The broadcaster pushes without ever waiting; the subscriber's stream task
-drains in batches. When a client falls behind, queued messages of the same job
-are coalesced (every message carries the whole state of its job, so the newest
-one is enough). A client still too far behind after coalescing is ended with
-`EndReason.SLOW` and its queue dropped at once, so one stuck client can never
-hold memory or delay anyone else.
+The broadcaster pushes without ever waiting; the subscriber's task drains in
+batches. When a consumer falls behind, queued messages of the same job are
+coalesced (every message carries the whole state of its job, so the newest one
+is enough). A consumer still too far behind after coalescing is ended with
+`EndReason.SLOW` and its queue dropped at once, so one stuck consumer can never
+hold memory or delay anyone else. Both kinds share that policy (`BoundedQueue`).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sized
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import trio
 
 from jobsignal.metrics import FanoutStats
+from jobsignal.store.model import JobSummary
 
 
 class StreamKind(enum.Enum):
@@ -36,11 +40,16 @@ class EndReason(enum.Enum):
 # Snapshot batches are never coalesced: each carries different jobs.
 UNIQUE: Hashable = None
 
+#: What a queue holds; its `len()` is what it charges against the byte bound.
+P = TypeVar("P", bound=Sized)
+
 # (job key, encoded message, trio time the source saw the event or None)
 QueueEntry = tuple[Hashable, bytes, float | None]
 
 
-class Subscriber:
+class BoundedQueue(Generic[P]):
+    """The slow-consumer policy: bounded, coalesced per job, ended when hopeless."""
+
     __slots__ = (
         "_cancel_scope",
         "_max_pending",
@@ -51,30 +60,15 @@ class Subscriber:
         "_pending_bytes",
         "_stats",
         "_wakeup",
-        "client_id",
         "coalesced",
         "end_reason",
-        "kind",
-        "role",
     )
 
-    def __init__(
-        self,
-        kind: StreamKind,
-        role: str,
-        client_id: str,
-        *,
-        max_pending: int,
-        max_pending_bytes: int,
-        stats: FanoutStats,
-    ) -> None:
-        self.kind = kind
-        self.role = role
-        self.client_id = client_id
+    def __init__(self, *, max_pending: int, max_pending_bytes: int, stats: FanoutStats) -> None:
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
         self._stats = stats
-        self._pending: deque[QueueEntry] = deque()
+        self._pending: deque[tuple[Hashable, P, float | None]] = deque()
         self._pending_bytes = 0
         # The snapshot this subscriber is owed sits at the front of its queue and
         # does not count against the limits: only a live backlog on top of it does.
@@ -93,11 +87,11 @@ class Subscriber:
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
-    def push(self, key: Hashable, frame: bytes, seen_at: float | None = None) -> None:
+    def push(self, key: Hashable, frame: P, seen_at: float | None = None) -> None:
         """Queue one encoded message; `key` names the job it describes."""
         self.push_entry((key, frame, seen_at))
 
-    def push_entry(self, entry: QueueEntry) -> None:
+    def push_entry(self, entry: tuple[Hashable, P, float | None]) -> None:
         """Queue a (job key, message, seen_at) entry. The broadcaster builds one
         entry per event and shares it between all queues: no allocation per push."""
         if self.end_reason is not None:
@@ -111,7 +105,7 @@ class Subscriber:
                 return
         self._wakeup.set()
 
-    def prime(self, entries: list[QueueEntry]) -> None:
+    def prime(self, entries: list[tuple[Hashable, P, float | None]]) -> None:
         """Queue the snapshot owed to a new subscriber, whatever its size: it is
         the state the client asked for, not a backlog (live events that follow
         may still coalesce with it)."""
@@ -136,7 +130,7 @@ class Subscriber:
         for position, (key, _, _) in enumerate(self._pending):
             if key is not UNIQUE:
                 newest[key] = position
-        kept: deque[QueueEntry] = deque()
+        kept: deque[tuple[Hashable, P, float | None]] = deque()
         owed = owed_bytes = 0
         for position, entry in enumerate(self._pending):
             if entry[0] is UNIQUE or newest[entry[0]] == position:
@@ -151,17 +145,27 @@ class Subscriber:
         self._pending = kept
         self._pending_bytes = sum(len(entry[1]) for entry in kept)
 
-    async def next_batch(self, max_frames: int) -> list[bytes]:
+    async def next_batch(self, max_frames: int) -> list[P]:
         """Wait for at least one message; return up to `max_frames` in order."""
         return (await self.next_batch_timed(max_frames))[0]
 
-    async def next_batch_timed(self, max_frames: int) -> tuple[list[bytes], list[float]]:
+    async def next_batch_or_end(self, max_frames: int) -> list[P]:
+        """Like `next_batch`, but an empty list once the queue has ended (for a
+        consumer with no cancel scope attached)."""
+        while not self._pending:
+            if self.end_reason is not None:
+                return []
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+        return await self.next_batch(max_frames)
+
+    async def next_batch_timed(self, max_frames: int) -> tuple[list[P], list[float]]:
         """Like `next_batch`, plus when the watcher saw each live event (for latency)."""
         while not self._pending:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
         count = min(max_frames, len(self._pending))
-        frames: list[bytes] = []
+        frames: list[P] = []
         seen: list[float] = []
         for _ in range(count):
             _, frame, seen_at = self._pending.popleft()
@@ -187,5 +191,50 @@ class Subscriber:
             self.end_reason = reason
         self._pending.clear()
         self._pending_bytes = self._owed = self._owed_bytes = 0
+        self._wakeup.set()  # a consumer waiting in next_batch_or_end learns of it
         if self._cancel_scope is not None:
             self._cancel_scope.cancel()
+
+
+class Subscriber(BoundedQueue[bytes]):
+    """The queue of one gRPC subscription stream: encoded messages."""
+
+    __slots__ = ("client_id", "kind", "role")
+
+    def __init__(
+        self,
+        kind: StreamKind,
+        role: str,
+        client_id: str,
+        *,
+        max_pending: int,
+        max_pending_bytes: int,
+        stats: FanoutStats,
+    ) -> None:
+        super().__init__(max_pending=max_pending, max_pending_bytes=max_pending_bytes, stats=stats)
+        self.kind = kind
+        self.role = role
+        self.client_id = client_id
+
+
+#: What an in-process event costs a queue beyond its rank table: the other
+#: fields and the objects around them, roughly.
+EVENT_OVERHEAD_BYTES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedEvent:
+    """One job event on its way to in-process consumers, shared by their queues."""
+
+    job: JobSummary
+    uuid: str
+
+    def __len__(self) -> int:
+        return len(self.job.hccl_json) + EVENT_OVERHEAD_BYTES
+
+
+class EventQueue(BoundedQueue[QueuedEvent]):
+    """The queue of one in-process consumer: the same policy as a gRPC
+    stream's (docs/architecture.md section 6), job events instead of bytes."""
+
+    __slots__ = ()
