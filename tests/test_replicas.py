@@ -256,6 +256,9 @@ async def test_two_replicas_send_the_same_events_with_the_same_ids(
                 )
                 for stream in streams
             ]
+            # What N replicas cost the API server: one LIST and one WATCH each.
+            assert (emu.stats.list_requests, emu.stats.watch_requests) == (2, 2)
+            assert emu.stats.open_watches == 2
             nursery.cancel_scope.cancel()
     first, second = seen
     assert [comparable(e) for e in first] == [comparable(e) for e in second]
