@@ -1,7 +1,7 @@
 """Logging: set-up (readable lines, or one JSON object per line), and the
-helpers every fault boundary uses: `quote` and `clip` bound how much of an
-untrusted value reaches a log line, `RateLimitedLog` bounds how many lines one
-kind of fault can write, so a hostile peer cannot flood the log.
+helper every fault boundary uses: `RateLimitedLog` bounds how many lines one
+kind of fault can write, so a hostile peer cannot flood the log (how much of
+an untrusted value a line quotes is bounded by `jobsignal.text`).
 
 Both formats stamp lines in UTC, RFC 3339 with milliseconds
 (2026-12-01T09:00:00.123Z). JSON lines carry a record's `extra` fields as keys
@@ -19,21 +19,6 @@ from typing import Any
 
 import trio
 from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
-
-QUOTE_LIMIT = 200
-
-
-def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
-    """`repr(value)`, cut to at most `limit` characters (plus a note of what was cut)."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}...({len(text) - limit} more characters)"
-
-
-def clip(value: str, limit: int = QUOTE_LIMIT) -> str:
-    """An untrusted string for a structured log field: at most `limit` characters."""
-    return value if len(value) <= limit else value[:limit] + "..."
 
 
 def _now() -> float:

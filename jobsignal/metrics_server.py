@@ -32,7 +32,8 @@ import trio
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from jobsignal.logs import RateLimitedLog, quote
+from jobsignal.logs import RateLimitedLog
+from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)

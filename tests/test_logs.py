@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from jobsignal.logs import RateLimitedLog, RateLimitFilter, configure_logging, quote
+from jobsignal.logs import RateLimitedLog, RateLimitFilter, configure_logging
+from jobsignal.text import quote
 
 
 def test_quote_bounds_untrusted_values() -> None:

@@ -31,9 +31,10 @@ from jobsignal.fanout.subscriber import (
     StreamKind,
     Subscriber,
 )
-from jobsignal.logs import RateLimitedLog, quote
+from jobsignal.logs import RateLimitedLog
 from jobsignal.metrics import FanoutStats
 from jobsignal.store.model import JobKey, JobSummary, event_id
+from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from jobsignal.kube.exec_credentials import API_VERSIONS, ExecCredentials, ExecPlugin, exec_info
-from jobsignal.logs import quote
+from jobsignal.text import quote
 
 __all__ = [
     "SERVICE_ACCOUNT_ROOT",

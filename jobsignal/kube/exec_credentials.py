@@ -36,7 +36,7 @@ from typing import Any
 
 import trio
 
-from jobsignal.logs import quote
+from jobsignal.text import quote
 
 __all__ = [
     "API_VERSIONS",

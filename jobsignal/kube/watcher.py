@@ -32,12 +32,13 @@ from jobsignal.kube.api import (
     Throttled,
     Unauthorized,
 )
-from jobsignal.logs import RateLimitedLog, quote
+from jobsignal.logs import RateLimitedLog
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 from jobsignal.store.configmap import BadConfigMap
 from jobsignal.store.jobs import Changes
 from jobsignal.store.model import JobSummary
+from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
 

@@ -39,11 +39,12 @@ from h2.errors import ErrorCodes
 from h2.events import Event, PingReceived, RemoteSettingsChanged, RequestReceived, StreamReset
 from h2.exceptions import ProtocolError, StreamClosedError
 
-from jobsignal.logs import RateLimitedLog, quote
+from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.guard import ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.limits import ConnectionCounter, Limits
+from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)

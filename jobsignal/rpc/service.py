@@ -24,13 +24,14 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.logs import RateLimitedLog, clip
+from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
 from jobsignal.rpc.requests import read_client_info
 from jobsignal.rpc.session import SessionSettings, serve_subscription
 from jobsignal.rpc.writer import StreamWriter
+from jobsignal.text import clip
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)

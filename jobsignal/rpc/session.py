@@ -20,9 +20,9 @@ import trio
 from grpclib.const import Status
 
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
-from jobsignal.logs import clip
 from jobsignal.rpc.activity import ConnectionActivity
 from jobsignal.rpc.registry import Refused, Registry
+from jobsignal.text import clip
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from jobsignal.logs import quote
 from jobsignal.store import strict_json
+from jobsignal.text import quote
 
 # The Kubernetes limit is 1 MiB per ConfigMap; anything far beyond it did not
 # come from ClusterD and is refused before it costs a JSON parse. Characters.

@@ -26,7 +26,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobsignal.logs import quote
 from jobsignal.store.configmap import (
     SERVER_LIST_SLOT,
     BadConfigMap,
@@ -37,6 +36,7 @@ from jobsignal.store.configmap import (
     parse_slice,
 )
 from jobsignal.store.model import JobKey, JobSummary
+from jobsignal.text import quote
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 
