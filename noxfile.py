@@ -32,7 +32,7 @@ PYTHON = PYTHONS[0]
 # The compiler pipes its output through ruff, so the generated text depends on
 # the exact versions of all three.
 CODEGEN_DEPS = ["betterproto2-compiler==0.10.1", "grpcio-tools==1.85.1", "ruff==0.17.6"]
-LINT_DEPS = ["ruff==0.17.6"]
+LINT_DEPS = ["ruff==0.17.6", "import-linter==2.17"]
 TYPECHECK_DEPS = ["mypy==2.4.1", "types-PyYAML", "nox"]
 
 
@@ -105,10 +105,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff lint and format check (generated code excluded)."""
+    """ruff lint and format check (generated code excluded), and the layer contracts
+    of pyproject.toml's [tool.importlinter] (read from the source, nothing installed)."""
     session.install(*LINT_DEPS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports", env={"PYTHONPATH": str(ROOT)})
 
 
 @nox.session(python=PYTHONS)

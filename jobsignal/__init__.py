@@ -44,11 +44,11 @@ from jobsignal.events import (
     RankTable,
 )
 from jobsignal.rpc import _grpclib
+from jobsignal.version import __version__ as __version__
 
 # Before any grpclib handler or call runs on trio-asyncio (Python 3.12+).
 _grpclib.install()
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Config",

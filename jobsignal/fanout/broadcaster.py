@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import trio
 
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
+from jobsignal.fanout.stats import FanoutStats
 from jobsignal.fanout.subscriber import (
     UNIQUE,
     EndReason,
@@ -32,7 +33,6 @@ from jobsignal.fanout.subscriber import (
     Subscriber,
 )
 from jobsignal.logs import RateLimitedLog
-from jobsignal.metrics import FanoutStats
 from jobsignal.store.model import JobKey, JobSummary, event_id
 from jobsignal.text import quote
 

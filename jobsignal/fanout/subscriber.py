@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 import trio
 
-from jobsignal.metrics import FanoutStats
+from jobsignal.fanout.stats import FanoutStats
 from jobsignal.store.model import JobSummary
 
 

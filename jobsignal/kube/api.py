@@ -23,6 +23,7 @@ import trio
 
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, load_client_certificate
 from jobsignal.kube.exec_credentials import ExecCredentialError, ExecCredentials
+from jobsignal.version import __version__
 
 
 class ApiError(Exception):
@@ -92,9 +93,6 @@ def _retry_after(value: str | None) -> float | None:
 
 def user_agent() -> str:
     """``jobsignal/<version>``: how the API server sees jobsignal."""
-    # Read at call time: this module is imported while the package initialises.
-    from jobsignal import __version__
-
     return f"jobsignal/{__version__}"
 
 
