@@ -64,3 +64,23 @@ def latency_ns(sid: str, arrival_ns: int) -> int | None:
         return arrival_ns - int(sid)
     except ValueError:
         return None
+
+
+def signal_fields(job: JobSummary) -> dict[str, str]:
+    """The JobSummarySignal fields of `job` but uuid and sid, keyed by proto field name,
+    as jobsignal encodes them: what the Go reference server (bench/go) publishes."""
+    return {
+        "jobId": job.job_id,
+        "jobName": job.job_name,
+        "namespace": job.namespace,
+        "frameWork": job.framework,
+        "jobStatus": job.job_status,
+        "time": job.time,
+        "cmIndex": "0",
+        "total": job.total,
+        "HcclJson": job.hccl_json,
+        "deleteTime": job.delete_time,
+        "sharedTorIp": job.shared_tor_ip,
+        "masterAddr": job.master_addr,
+        "operator": job.operator,
+    }

@@ -24,16 +24,25 @@ class ChildError(RuntimeError):
 
 
 class Child:
-    """A benchmark child process (`python -m bench.<module>`) speaking JSON lines."""
+    """A benchmark child process speaking JSON lines: `python -m bench.<module>`,
+    or the program `executable` (the Go load generator and reference server)."""
 
     def __init__(
-        self, name: str, module: str, args: list[str], *, env: dict[str, str], log_dir: Path
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        *,
+        env: dict[str, str],
+        log_dir: Path,
+        executable: Path | None = None,
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
+        command = [str(executable)] if executable else [sys.executable, "-m", module]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*command, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

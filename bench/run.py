@@ -27,12 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import machine
+from bench import gobuild, machine
 from bench.common import STUBS_ENV, generate_stubs
+from bench.events import make_jobs, signal_fields
 from bench.procs import REPO, Child, ChildError, CpuMeter, wait_for
 
 SERVERS = ("jobsignal", "reference")
 SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.reference_server"}
+# The servers of the server-bound scenarios, driven by the Go load generator:
+# jobsignal, the grpc.aio reference and the grpc-go reference ("go").
+GO_SERVERS = ("jobsignal", "reference", "go")
+GO_SOURCES = {
+    "loadgen": Path(__file__).resolve().parent / "go" / "loadgen" / "main.go",
+    "reference": Path(__file__).resolve().parent / "go" / "reference" / "main.go",
+}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # The attacks of the under-attack scenario, in the order they run (bench/attacker.py).
 ATTACKS = (
@@ -99,6 +107,12 @@ class Sizes:
     flood_batch: int = 16
     # Hard deadline of every child process, seconds.
     deadline: float = 300.0
+    # Server-bound scenarios (Go load generator): subscribers, connections they
+    # share (0: one each), events per second offered (above capacity).
+    server_fanout: tuple[int, int, float] = (1000, 20, 60.0)
+    server_one_conn: tuple[int, int, float] = (500, 0, 120.0)
+    # The Go load generator decodes every n-th message of a subscriber for latency.
+    go_sample_every: int = 10
 
 
 FULL = Sizes(
@@ -173,6 +187,9 @@ QUICK = Sizes(
     big_max_rounds=2,
     min_clients=1,
     deadline=120.0,
+    server_fanout=(4, 2, 20.0),
+    server_one_conn=(3, 0, 20.0),
+    go_sample_every=1,
 )
 
 
@@ -222,11 +239,20 @@ class Bench:
         }
         self.results: dict[str, Any] = {"sizes": dataclasses.asdict(sizes), "errors": {}}
         self._children = 0
+        self._go: dict[str, Path] | None = None
 
     # -- processes -----------------------------------------------------------
 
-    def child(self, name: str, module: str, *args: str, wait: bool = True) -> Child:
-        """Start `python -m module args`; with `wait`, until it reports ready."""
+    def child(
+        self,
+        name: str,
+        module: str,
+        *args: str,
+        wait: bool = True,
+        executable: Path | None = None,
+    ) -> Child:
+        """Start `python -m module args` (or `executable args`); with `wait`, until
+        it reports ready."""
         self._children += 1
         child = Child(
             f"{self._children:03d}-{name}",
@@ -234,6 +260,7 @@ class Bench:
             [*args, "--deadline", str(self.sizes.deadline)],
             env=self.env,
             log_dir=self.log_dir,
+            executable=executable,
         )
         if wait:
             child.wait_ready()
@@ -250,9 +277,69 @@ class Bench:
                 child.stop()
 
     def server(self, children: list[Child], kind: str, *args: str) -> Child:
-        server = self.child(kind, SERVER_MODULES[kind], *args)
+        if kind == "go":
+            server = self.child(
+                "go-reference",
+                "",
+                "--jobs-file",
+                str(self.go_jobs_file()),
+                *args,
+                executable=self.go_programs()["reference"],
+            )
+        else:
+            server = self.child(kind, SERVER_MODULES[kind], *args)
         children.append(server)
         return server
+
+    def go_programs(self) -> dict[str, Path]:
+        """The Go load generator and reference server, built once per run (in `work`)."""
+        if self._go is None:
+            self._go = gobuild.build_go_programs(
+                self.work / "go",
+                GO_SOURCES,
+                import_root="jobsignalbench",
+                who="the benchmark's Go load generator and reference server",
+            )
+        return self._go
+
+    def go_jobs_file(self) -> Path:
+        """The jobs the Python servers' drivers cycle (64 jobs of 2 servers: their
+        defaults), for the Go reference server."""
+        path = self.work / "go-jobs.json"
+        if not path.exists():
+            path.write_text(json.dumps([signal_fields(job) for job in make_jobs(64, 2)]))
+        return path
+
+    def go_clients(
+        self, children: list[Child], server: Child, count: int, connections: int
+    ) -> Child:
+        """One Go load generator with `count` subscribers over `connections` (0: one
+        each); waits until the server has all of them."""
+        baseline = int(server.request({"cmd": "stats"})["subscribers"])
+        client = self.child(
+            "go-loadgen",
+            "",
+            "--target",
+            f"127.0.0.1:{server.ready['port']}",
+            "--count",
+            str(count),
+            "--connections",
+            str(connections),
+            "--sample-every",
+            str(self.sizes.go_sample_every),
+            executable=self.go_programs()["loadgen"],
+        )
+        children.append(client)
+
+        def subscribed() -> bool:
+            reply = client.request({"cmd": "count"})
+            if reply["failed"]:
+                raise ChildError(f"{client.name}: subscriptions failed: {reply['errors']}")
+            have = int(server.request({"cmd": "stats"})["subscribers"])
+            return have - baseline >= count
+
+        wait_for(subscribed, f"{count} subscriptions", timeout=30 + count / 50)
+        return client
 
     def cluster(self, children: list[Child]) -> Child:
         cluster = self.child("cluster", "bench.cluster")
@@ -400,6 +487,8 @@ class Bench:
             ("publish", self.scenario_publish),
             ("attack", self.scenario_attack),
             ("big_and_small", self.scenario_big_and_small),
+            ("server_fanout", self.scenario_server_fanout),
+            ("server_one_conn", self.scenario_server_one_conn),
         ]
         for name, scenario in scenarios:
             if only and name not in only:
@@ -970,6 +1059,127 @@ class Bench:
             "seconds": time.perf_counter() - started,
             "rounds": rounds,
         }
+
+    def scenario_server_fanout(self) -> None:
+        """Many subscribers sharing a few connections, more events offered than any
+        server delivers, measured with the Go load generator."""
+        self.server_bound("server_fanout", *self.sizes.server_fanout)
+
+    def scenario_server_one_conn(self) -> None:
+        """Every subscriber on its own connection (each client its own channel)."""
+        self.server_bound("server_one_conn", *self.sizes.server_one_conn)
+
+    def server_bound(self, key: str, subscribers: int, connections: int, rate: float) -> None:
+        """jobsignal, grpc.aio and grpc-go side by side under one Go load generator
+        (about 2-6 µs of CPU per received message, so the server is the limit):
+        delivered msg/s, server CPU per delivered message, latency of sampled
+        messages, received counts per subscriber, the load generator's own CPU."""
+        sizes = self.sizes
+        servers: dict[str, Any] = {}
+        self.results[key] = {
+            "subscribers": subscribers,
+            "connections": connections or subscribers,
+            "rate": rate,
+            "offered_per_s": rate * subscribers,
+            "window_s": sizes.window,
+            "reps": sizes.reps,
+            "sample_every": sizes.go_sample_every,
+            "servers": servers,
+            "run": self.provenance(),
+        }
+        self.go_programs()  # a missing Go package fails here, named, before any server starts
+        for kind in GO_SERVERS:
+            with self.running() as children:
+                server = self.server(children, kind)
+                client = self.go_clients(children, server, subscribers, connections)
+                server.request({"cmd": "mode", "mode": "rate", "rate": rate})
+                time.sleep(sizes.warmup)
+                published_before = server.request({"cmd": "stats"})["published"]
+                first = client.request({"cmd": "per_subscriber"})["received"]
+                self.reset_latencies([client])
+                started = time.perf_counter()
+                rows = self.loadgen_windows(server, client)
+                measured = time.perf_counter() - started
+                last = client.request({"cmd": "per_subscriber"})["received"]
+                stats = server.request({"cmd": "stats"})
+                server.request({"cmd": "mode", "mode": "idle"})
+                samples = self.collect_latencies([client])
+                health = client.request({"cmd": "count"})
+                received = [after - before for before, after in zip(first, last, strict=True)]
+                servers[kind] = {
+                    **rows,
+                    "offered_per_s": (stats["published"] - published_before)
+                    * subscribers
+                    / measured,
+                    "latency": latency_summary(samples),
+                    "fairness": fairness(received, connections or subscribers),
+                    "measured_s": measured,
+                    "rss_bytes": server.rss_bytes(),
+                    "server_stats": stats,
+                    "loadgen_ended": health["ended"],
+                    "loadgen_errors": health["errors"],
+                }
+                spread = servers[kind]["fairness"]
+                self.log(
+                    f"  {key} {kind}: {median(rows['rate']):,.0f} msg/s,"
+                    f" server {median(rows['us_per_msg']):.1f} µs/msg,"
+                    f" loadgen {median(rows['loadgen_us_per_msg']):.1f} µs/msg, p50/p99"
+                    f" {servers[kind]['latency']['p50_ms']:.1f}/"
+                    f"{servers[kind]['latency']['p99_ms']:.1f} ms, per subscriber"
+                    f" {spread['min']}/{spread['median']:g}/{spread['max']}"
+                )
+
+    def loadgen_windows(self, server: Child, client: Child) -> dict[str, list[float]]:
+        """Per window: delivered msg/s, server CPU (/proc) and the Go load
+        generator's own CPU (its getrusage), in cores and µs per delivered message."""
+        rows: dict[str, list[float]] = {
+            "rate": [],
+            "server_cpu": [],
+            "us_per_msg": [],
+            "loadgen_cpu": [],
+            "loadgen_us_per_msg": [],
+        }
+        for _ in range(self.sizes.reps):
+            meter = CpuMeter([server.pid])
+            meter.start()
+            before = client.request({"cmd": "count"})
+            started = time.perf_counter()
+            time.sleep(self.sizes.window)
+            after = client.request({"cmd": "count"})
+            elapsed = time.perf_counter() - started
+            server_cpu = meter.stop()[0]
+            rate = (after["received"] - before["received"]) / elapsed
+            loadgen_cpu = (after["cpu_seconds"] - before["cpu_seconds"]) / elapsed
+            rows["rate"].append(rate)
+            rows["server_cpu"].append(server_cpu)
+            rows["us_per_msg"].append(server_cpu * 1e6 / rate if rate else math.nan)
+            rows["loadgen_cpu"].append(loadgen_cpu)
+            rows["loadgen_us_per_msg"].append(loadgen_cpu * 1e6 / rate if rate else math.nan)
+        return rows
+
+
+def fairness(received: list[int], connections: int) -> dict[str, Any]:
+    """How evenly the subscribers were served: their received counts (min, median,
+    max, how many got nothing, the share within 10 % of the median) and, when
+    they share connections (subscriber i on connection i mod `connections`),
+    the totals per connection."""
+    if not received:
+        return {"min": 0, "median": math.nan, "max": 0, "starved": 0, "within_10pct": math.nan}
+    middle = median([float(count) for count in received])
+    within = sum(1 for count in received if abs(count - middle) <= 0.1 * middle)
+    summary: dict[str, Any] = {
+        "subscribers": len(received),
+        "min": min(received),
+        "median": middle,
+        "max": max(received),
+        "starved": sum(1 for count in received if count == 0),
+        "within_10pct": within / len(received) if middle else math.nan,
+    }
+    if connections < len(received):
+        totals = [sum(received[index::connections]) for index in range(connections)]
+        summary["per_connection_min"] = min(totals)
+        summary["per_connection_max"] = max(totals)
+    return summary
 
 
 def _histogram(samples_ns: list[int], bins: int = 60) -> dict[str, list[float]]:
