@@ -19,9 +19,14 @@ Service's metrics port), a non-root container with a read-only root file
 system, and args and env that `jobsignal serve` accepts (parsed by
 jobsignal.config itself, so the manifests cannot drift from the code).
 
+Each optional component declares what it is for (COMPONENT_PURPOSES: the
+kinds it adds, the fields of which objects it may change); its files, and
+its rendered effect on each install, are held to exactly that.
+
 When kubectl is on PATH, `kubectl kustomize` also renders each kustomization
-(and each component on top of each install) and the rendered objects go
-through the same checks.
+(and each component, and all of them together, on top of each install) and
+the rendered objects go through the same checks. The HA component's own
+checks are in test_ha.py.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from functools import cache, partial
+from itertools import combinations
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -263,29 +269,18 @@ def test_deploy_tree_is_complete() -> None:
         KUBE / "overlays" / "namespaced" / "kustomization.yaml",
         KUBE / "components" / "prometheus-operator" / "kustomization.yaml",
         KUBE / "components" / "prometheus-operator" / "servicemonitor.yaml",
+        KUBE / "components" / "ha" / "kustomization.yaml",
+        KUBE / "components" / "ha" / "poddisruptionbudget.yaml",
         KUBE / "examples" / "sidecar.yaml",
     ]
     missing = [str(p.relative_to(ROOT)) for p in expected if not p.is_file()]
     assert not missing, f"missing: {missing}"
     kinds = {m.kind for m in MANIFESTS}
     assert {"Deployment", "Service", "ServiceAccount", "ClusterRole", "Role"} <= kinds
-    assert "ServiceMonitor" in kinds
+    assert {"ServiceMonitor", "PodDisruptionBudget"} <= kinds
 
 
-# --- schemas ----------------------------------------------------------------------
-
-
-@pytest.fixture
-def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any attempt to resolve or connect fails the test: validation must be offline."""
-
-    def refuse(*args: object, **kwargs: object) -> NoReturn:
-        raise AssertionError(f"network access during schema validation: {args!r}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+# --- schemas (offline: the no_network fixture is in conftest.py) -------------------
 
 
 # The Prometheus Operator's ServiceMonitor (monitoring.coreos.com/v1), reduced
@@ -470,6 +465,88 @@ def _is_component(directory: Path) -> bool:
 COMPONENTS = [path.parent for path in KUSTOMIZATIONS if _is_component(path.parent)]
 
 
+@dataclass(frozen=True)
+class ComponentPurpose:
+    """What an optional component is meant to do to an install, and nothing more.
+
+    `adds`: the kinds of the objects it adds, one entry per object. `changes`:
+    per (kind, name) of an install's object, the dotted field paths its patches
+    set (a list counts as one field, replaced or merged as a whole).
+    """
+
+    adds: tuple[str, ...]
+    changes: Mapping[tuple[str, str], frozenset[str]] = field(default_factory=dict)
+
+
+COMPONENT_PURPOSES = {
+    # A ServiceMonitor, and the install itself unchanged.
+    "prometheus-operator": ComponentPurpose(adds=("ServiceMonitor",)),
+    # Several replicas: a PodDisruptionBudget, and the Deployment's replica
+    # count and pod spreading.
+    "ha": ComponentPurpose(
+        adds=("PodDisruptionBudget",),
+        changes={
+            ("Deployment", "jobsignal"): frozenset(
+                {"spec.replicas", "spec.template.spec.topologySpreadConstraints"}
+            )
+        },
+    ),
+}
+
+
+def _purpose(component: Path) -> ComponentPurpose:
+    purpose = COMPONENT_PURPOSES.get(component.name)
+    if purpose is None:
+        _fail(f"{_rel(component)}: declare what it adds and changes in COMPONENT_PURPOSES")
+    return purpose
+
+
+def _patch_bodies(directory: Path) -> list[Obj]:
+    """The inline patches of a kustomization, parsed (one object each)."""
+    kustomization = _kustomization(directory / "kustomization.yaml")
+    return [
+        _documents(patch["patch"], str(directory))[0]
+        for patch in kustomization.get("patches", [])
+        if "patch" in patch
+    ]
+
+
+_ABSENT = object()
+
+
+def _differences(before: Any, after: Any, path: str = "") -> Iterator[str]:
+    """The dotted paths of the leaves at which two objects differ (a mapping
+    missing on one side counts as empty; lists are compared whole)."""
+    if before is _ABSENT and isinstance(after, dict):
+        before = {}
+    if after is _ABSENT and isinstance(before, dict):
+        after = {}
+    if isinstance(before, dict) and isinstance(after, dict):
+        for key in sorted(before.keys() | after.keys()):
+            yield from _differences(
+                before.get(key, _ABSENT), after.get(key, _ABSENT), f"{path}.{key}" if path else key
+            )
+    elif before != after:
+        yield path
+
+
+def _leaf_paths(patch: Obj) -> set[str]:
+    """The fields a strategic-merge patch sets, as dotted paths (its target's
+    identity, apiVersion, kind and metadata.name, left out)."""
+    body = copy.deepcopy(patch)
+    for identity in ("apiVersion", "kind"):
+        body.pop(identity, None)
+    metadata = body.get("metadata", {})
+    metadata.pop("name", None)
+    if not metadata:
+        body.pop("metadata", None)
+    return set(_differences({}, body))
+
+
+def _covered(path: str, allowed: AbstractSet[str]) -> bool:
+    return any(path == field or path.startswith(f"{field}.") for field in allowed)
+
+
 @pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_kustomization_resources_exist(path: Path) -> None:
     kustomization = _kustomization(path)
@@ -499,12 +576,19 @@ def test_kustomization_resources_exist(path: Path) -> None:
 
 @pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_kustomization_patches_hit_a_resource(path: Path) -> None:
-    available = {(o["kind"], o["metadata"]["name"]) for o in _kustomize_resources(path.parent)}
+    """A kustomization's patches hit its own resources; a component's hit
+    those of every install it can be added to as well."""
+    own = _kustomize_resources(path.parent)
+    starts = [own]
+    if _is_component(path.parent):
+        starts = [own + _kustomize_resources(root) for root in ROOT_KUSTOMIZATIONS]
     for patch in _kustomization(path).get("patches", []):
         assert "patch" in patch, f"{path}: patches are inline (a patch file is no valid object)"
-        body = _documents(patch["patch"], str(path))[0]
+    for body in _patch_bodies(path.parent):
         target = (body["kind"], body["metadata"]["name"])
-        assert target in available, f"{path}: patch for {target} matches no resource"
+        for objects in starts:
+            available = {(o["kind"], o["metadata"]["name"]) for o in objects}
+            assert target in available, f"{path}: patch for {target} matches no resource"
 
 
 def test_every_manifest_outside_examples_is_in_a_kustomization() -> None:
@@ -592,9 +676,23 @@ def _installed_kustomizations() -> list[Path]:
 ROOT_KUSTOMIZATIONS = _installed_kustomizations()
 
 
+def _component_sets() -> list[tuple[Path, ...]]:
+    """Every non-empty combination of the optional components."""
+    return [
+        chosen
+        for size in range(1, len(COMPONENTS) + 1)
+        for chosen in combinations(COMPONENTS, size)
+    ]
+
+
+def _install_name(root: Path, components: Sequence[Path]) -> str:
+    return "+".join([_rel(root), *(_rel(component) for component in components)])
+
+
 def _installs() -> dict[str, list[Obj]]:
     """The objects that are installed together, by name: a kustomization tree
-    (before patches), one example file, or an install with a component added."""
+    (before patches), one example file, or an install with components added
+    (their resources, before their patches: rendering applies those)."""
     groups: dict[str, list[Obj]] = {}
     for path in KUSTOMIZATIONS:
         if not _is_component(path.parent):  # a component is no install on its own
@@ -603,9 +701,11 @@ def _installs() -> dict[str, list[Obj]]:
         if KUBE / "examples" in manifest.path.parents:
             groups.setdefault(_rel(manifest.path), []).append(manifest.body)
     for root in ROOT_KUSTOMIZATIONS:
-        for component in COMPONENTS:
-            objects = _kustomize_resources(root) + _kustomize_resources(component)
-            groups[f"{_rel(root)}+{_rel(component)}"] = objects
+        for components in _component_sets():
+            objects = _kustomize_resources(root)
+            for component in components:
+                objects += _kustomize_resources(component)
+            groups[_install_name(root, components)] = objects
     return groups
 
 
@@ -645,7 +745,7 @@ def _selectors(obj: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]
         yield f"{here} selector", spec["selector"]
     elif obj["kind"] == "NetworkPolicy":
         yield f"{here} podSelector", spec["podSelector"]
-    elif obj["kind"] == "ServiceMonitor":
+    elif obj["kind"] in ("ServiceMonitor", "PodDisruptionBudget"):
         yield f"{here} selector", spec["selector"]
 
 
@@ -960,13 +1060,54 @@ def _check_monitors(objects: Sequence[Obj], where: str) -> None:
             assert endpoint.get("scheme", "http") == "http", f"{here}: metrics are plain HTTP"
 
 
-def test_the_optional_component_adds_a_service_monitor() -> None:
+def test_every_declared_component_exists() -> None:
+    assert sorted(component.name for component in COMPONENTS) == sorted(COMPONENT_PURPOSES)
+
+
+@pytest.mark.parametrize("component", COMPONENTS, ids=_rel)
+def test_each_component_adds_and_patches_only_what_it_is_for(component: Path) -> None:
+    """As written: the objects it adds are of the declared kinds, its patches
+    hit the declared objects and set only the declared fields, and no install
+    has those kinds without it (it really is optional)."""
+    purpose = _purpose(component)
+    kinds = sorted(o["kind"] for o in _kustomize_resources(component))
+    assert kinds == sorted(purpose.adds), f"{_rel(component)} adds {kinds}"
+    patched: dict[tuple[str, str], set[str]] = {}
+    for body in _patch_bodies(component):
+        target = (body["kind"], body["metadata"]["name"])
+        patched.setdefault(target, set()).update(_leaf_paths(body))
+    assert patched.keys() == purpose.changes.keys(), f"{_rel(component)} patches {set(patched)}"
+    for target, paths in patched.items():
+        allowed = purpose.changes[target]
+        stray = sorted(path for path in paths if not _covered(path, allowed))
+        assert not stray, f"{_rel(component)}: patch of {target} sets {stray}"
+        assert all(any(_covered(path, {f}) for path in paths) for f in allowed), (target, paths)
     for root in ROOT_KUSTOMIZATIONS:
-        assert not any(o["kind"] == "ServiceMonitor" for o in INSTALLS[_rel(root)]), root
-    assert COMPONENTS
-    for component in COMPONENTS:
-        kinds = [o["kind"] for o in _kustomize_resources(component)]
-        assert kinds == ["ServiceMonitor"], f"{_rel(component)}: {kinds}"
+        present = {o["kind"] for o in INSTALLS[_rel(root)]} & set(purpose.adds)
+        assert not present, f"{_rel(root)} has {present} without {_rel(component)}"
+
+
+def test_component_check_catches_a_stray_field() -> None:
+    """The field check above is not vacuous: a patch field outside the declared
+    ones, or a declared one the patch does not set, is found."""
+    allowed = frozenset({"spec.replicas", "spec.template.spec.topologySpreadConstraints"})
+    patch = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "jobsignal"},
+        "spec": {"replicas": 2, "template": {"spec": {"hostNetwork": True}}},
+    }
+    paths = _leaf_paths(patch)
+    assert paths == {"spec.replicas", "spec.template.spec.hostNetwork"}
+    assert [path for path in sorted(paths) if not _covered(path, allowed)] == [
+        "spec.template.spec.hostNetwork"
+    ]
+    assert not _covered("spec.replicasX", allowed)
+    before: Obj = {"spec": {"replicas": 1, "template": {"spec": {"containers": [{"name": "a"}]}}}}
+    after = copy.deepcopy(before)
+    after["spec"]["template"]["spec"]["containers"][0]["name"] = "b"
+    after["spec"]["paused"] = True
+    assert set(_differences(before, after)) == {"spec.paused", "spec.template.spec.containers"}
 
 
 @pytest.mark.parametrize("install", INSTALLS)
@@ -976,7 +1117,9 @@ def test_monitors_select_the_service_metrics_port(install: str) -> None:
 
 def test_monitor_check_catches_a_wrong_port_and_selector() -> None:
     """The check above is not vacuous."""
-    name = next(name for name in INSTALLS if "+" in name)
+    name = next(
+        n for n, objects in INSTALLS.items() if any(o["kind"] == "ServiceMonitor" for o in objects)
+    )
     objects = copy.deepcopy(INSTALLS[name])
     _check_monitors(objects, "as written")
     monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
@@ -1176,42 +1319,101 @@ needs_kubectl = pytest.mark.skipif(
 @needs_kubectl
 @pytest.mark.parametrize("directory", ROOT_KUSTOMIZATIONS, ids=_rel)
 def test_kustomize_build(directory: Path) -> None:
-    objects = _render(directory)
+    objects = _plain_build(directory)
     _check_rendered(objects, f"kustomize build {_rel(directory)}")
-    assert not [o for o in objects if o["kind"] == "ServiceMonitor"], "the monitor is optional"
+    optional = {kind for purpose in COMPONENT_PURPOSES.values() for kind in purpose.adds}
+    present = optional & {o["kind"] for o in objects}
+    assert not present, f"{present} belong to optional components"
     if directory.name == "namespaced":
         assert not {"ClusterRole", "ClusterRoleBinding"} & {o["kind"] for o in objects}
 
 
-def _check_with_monitor(objects: Sequence[Obj], where: str) -> None:
-    _check_rendered(objects, where)
-    monitors = [o for o in objects if o["kind"] == "ServiceMonitor"]
-    assert len(monitors) == 1, f"{where}: {len(monitors)} ServiceMonitors"
-    # In the install's namespace, the only one it looks in for the Service.
-    (service,) = [o for o in objects if o["kind"] == "Service"]
-    namespace = monitors[0]["metadata"].get("namespace")
-    assert namespace == service["metadata"]["namespace"], f"{where}: monitor in {namespace}"
+@cache
+def _rendered_once(directory: Path) -> tuple[Obj, ...]:
+    return tuple(_render(directory))
 
 
-@needs_kubectl
-@pytest.mark.parametrize("component", COMPONENTS, ids=_rel)
-@pytest.mark.parametrize("directory", ROOT_KUSTOMIZATIONS, ids=_rel)
-def test_kustomize_build_with_component_in_own_overlay(
-    directory: Path, component: Path, tmp_path: Path
+def _plain_build(directory: Path) -> list[Obj]:
+    """`kubectl kustomize` of an install as it is (rendered once per test run)."""
+    return copy.deepcopy(list(_rendered_once(directory)))
+
+
+def _by_identity(objects: Sequence[Obj]) -> dict[tuple[str, str], Obj]:
+    found: dict[tuple[str, str], Obj] = {}
+    for obj in objects:
+        key = (obj["kind"], obj["metadata"]["name"])
+        assert key not in found, f"two objects {key}"
+        found[key] = obj
+    return found
+
+
+def _check_component_effect(
+    plain: Sequence[Obj], objects: Sequence[Obj], components: Sequence[Path], where: str
 ) -> None:
-    """Each install with the component added by an operator's own kustomization,
-    which must name the namespace: the install's own `namespace:` does not reach
-    a component added outside it."""
+    """Rendered with the components, the install has exactly the objects they
+    add on top of its own, and its own differ only in the fields they declare,
+    each of which they do change."""
+    purposes = [_purpose(component) for component in components]
+    before, after = _by_identity(plain), _by_identity(objects)
+    assert not before.keys() - after.keys(), f"{where}: lost {before.keys() - after.keys()}"
+    added = [after[key] for key in after.keys() - before.keys()]
+    kinds = sorted(o["kind"] for o in added)
+    assert kinds == sorted(kind for p in purposes for kind in p.adds), f"{where}: adds {kinds}"
+    # In the install's namespace, the only one the added objects look in.
+    (service,) = [o for o in objects if o["kind"] == "Service"]
+    for obj in added:
+        namespace = obj["metadata"].get("namespace")
+        assert namespace == service["metadata"]["namespace"], (
+            f"{where}: {obj['kind']} in {namespace}"
+        )
+    allowed: dict[tuple[str, str], frozenset[str]] = {}
+    for purpose in purposes:
+        for target, fields in purpose.changes.items():
+            allowed[target] = allowed.get(target, frozenset()) | fields
+    for key in before.keys() & after.keys():
+        changed = set(_differences(before[key], after[key]))
+        fields = allowed.get(key, frozenset())
+        stray = sorted(path for path in changed if not _covered(path, fields))
+        assert not stray, f"{where}: {key} changed at {stray}"
+        unchanged = sorted(f for f in fields if not any(_covered(path, {f}) for path in changed))
+        assert not unchanged, f"{where}: {key} not changed at {unchanged}"
+
+
+def _check_with_components(
+    directory: Path, objects: Sequence[Obj], components: Sequence[Path], where: str
+) -> None:
+    _check_rendered(objects, where)
+    _check_component_effect(_plain_build(directory), objects, components, where)
+
+
+def _render_with(directory: Path, components: Sequence[Path], tmp_path: Path) -> list[Obj]:
+    """An install with components added by an operator's own kustomization, which
+    must name the namespace: the install's own `namespace:` does not reach a
+    component added outside it."""
     namespace = _kustomization(directory / "kustomization.yaml")["namespace"]
     kustomization = {
         "apiVersion": KUSTOMIZE_KINDS["Kustomization"],
         "kind": "Kustomization",
         "namespace": namespace,
         "resources": [os.path.relpath(directory, tmp_path)],
-        "components": [os.path.relpath(component, tmp_path)],
+        "components": [os.path.relpath(component, tmp_path) for component in components],
     }
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    _check_with_monitor(_render(tmp_path), f"{_rel(directory)} + {_rel(component)}")
+    return _render(tmp_path)
+
+
+@needs_kubectl
+@pytest.mark.parametrize(
+    "components", _component_sets(), ids=lambda cs: "+".join(c.name for c in cs)
+)
+@pytest.mark.parametrize("directory", ROOT_KUSTOMIZATIONS, ids=_rel)
+def test_kustomize_build_with_components_in_own_overlay(
+    directory: Path, components: tuple[Path, ...], tmp_path: Path
+) -> None:
+    """Each install with each component, and with several together, added in an
+    operator's own overlay: checked like the install, and for what each adds."""
+    objects = _render_with(directory, components, tmp_path)
+    _check_with_components(directory, objects, components, _install_name(directory, components))
 
 
 @needs_kubectl
@@ -1226,4 +1428,9 @@ def test_kustomize_build_with_the_commented_component_line(directory: Path, tmp_
     assert hint, f"{_rel(directory)}: no commented components: lines"
     uncommented = re.sub(r"^# ?", "", hint.group(0), flags=re.MULTILINE)
     kustomization.write_text(text.replace(hint.group(0), uncommented))
-    _check_with_monitor(_render(kustomization.parent), f"{_rel(directory)}, uncommented")
+    # Every component is offered there, and the listed paths are the components.
+    listed = _kustomization(kustomization)["components"]
+    components = [(directory / entry).resolve() for entry in listed]
+    assert sorted(components) == sorted(c.resolve() for c in COMPONENTS), listed
+    where = f"{_rel(directory)}, uncommented"
+    _check_with_components(directory, _render(kustomization.parent), components, where)
