@@ -24,7 +24,24 @@ SCENARIO_ROWS = (
     "Slow clients",
     "Under attack",
     "Big and small",
+    "Server-bound fan-out",
+    "Server-bound, one connection each",
 )
+# The server-bound scenarios (Go load generator), their summary labels, and the
+# names of their three servers.
+SERVER_BOUND = (
+    ("server_fanout", "Server-bound fan-out"),
+    ("server_one_conn", "Server-bound, one connection each"),
+)
+SERVER_BOUND_NAMES = {
+    "jobsignal": "jobsignal",
+    "go": "grpc-go (ClusterD's design)",
+    "reference": "grpc.aio",
+}
+# Issue 10: jobsignal's server CPU per delivered message at most this many times
+# grpc-go's, and at least this many times below grpc.aio's, in the same run.
+GO_CPU_RATIO_TARGET = 2.0
+AIO_CPU_RATIO_TARGET = 4.0
 
 # What each attack of the under-attack scenario does (bench/attacker.py), in words.
 ATTACK_LABELS = {
@@ -404,6 +421,7 @@ class Report:
         )
         rows += self.attack_summary_rows()
         rows += self.big_summary_rows()
+        rows += self.server_bound_summary_rows()
         self.table(["Scenario", "Figure", "jobsignal", "reference", "ratio", "target"], rows)
         self.plots_inline()
 
@@ -464,6 +482,45 @@ class Report:
                 "",
             ]
         )
+        return rows
+
+    def server_bound_figure(self, key: str, kind: str, figure: str) -> float | None:
+        values = _get(self.r, key, "servers", kind, figure)
+        return _median(values) if values else None
+
+    def server_bound_summary_rows(self) -> list[list[str]]:
+        rows = []
+        for key, label in SERVER_BOUND:
+            section = self.r.get(key) or {}
+            if not section.get("servers"):
+                rows.append([label, "not run", "—", "—", "—", ""])
+                continue
+            title = (
+                f"{label}, {section['subscribers']:,} subscribers on"
+                f" {section['connections']:,} connections, Go load generator"
+            )
+            for figure, what, digits, target in (
+                ("rate", "delivered msg/s (higher is better)", 0, ""),
+                (
+                    "us_per_msg",
+                    "server CPU µs per delivered msg (lower is better)",
+                    1,
+                    f"≤ {GO_CPU_RATIO_TARGET:g}x grpc-go",
+                ),
+            ):
+                ours = self.server_bound_figure(key, "jobsignal", figure)
+                go = self.server_bound_figure(key, "go", figure)
+                aio = self.server_bound_figure(key, "reference", figure)
+                rows.append(
+                    [
+                        title,
+                        what,
+                        _num(ours, digits),
+                        f"grpc-go {_num(go, digits)}; grpc.aio {_num(aio, digits)}",
+                        f"{_ratio(ours, go)} grpc-go; {_ratio(ours, aio)} grpc.aio",
+                        target,
+                    ]
+                )
         return rows
 
     def targets(self) -> None:
@@ -542,6 +599,7 @@ class Report:
                 1,
             )
         )
+        checks += self.server_bound_targets()
         self.add("## Targets (jobsignal)", "")
         if self.quick:
             self.add("Quick run: sizes are tiny, so the verdicts below mean nothing.", "")
@@ -553,9 +611,129 @@ class Report:
             rows.append([check.name, check.measured, verdict, check.margin])
         self.table(["Target", "Measured", "Verdict", "Margin"], rows)
 
+    def server_bound_targets(self) -> list[Target]:
+        checks = []
+        for key, label in SERVER_BOUND:
+            section = self.r.get(key) or {}
+            where = f"{section.get('subscribers', 0):,} on {section.get('connections', 0):,}"
+            ours = self.server_bound_figure(key, "jobsignal", "us_per_msg")
+            go = self.server_bound_figure(key, "go", "us_per_msg")
+            aio = self.server_bound_figure(key, "reference", "us_per_msg")
+            checks.append(
+                _check_below(
+                    f"{label} ({where}): server CPU per delivered msg ≤"
+                    f" {GO_CPU_RATIO_TARGET:g}x grpc-go's",
+                    ours / go if ours and go else None,
+                    GO_CPU_RATIO_TARGET,
+                    "x",
+                    2,
+                )
+            )
+            if key == "server_fanout":
+                checks.append(
+                    _check_at_least(
+                        f"{label} ({where}): server CPU per delivered msg ≥"
+                        f" {AIO_CPU_RATIO_TARGET:g}x below grpc.aio's",
+                        aio / ours if ours and aio else None,
+                        AIO_CPU_RATIO_TARGET,
+                        "x",
+                        2,
+                    )
+                )
+                within = _get(section, "servers", "jobsignal", "fairness", "within_10pct")
+                checks.append(
+                    _check_at_least(
+                        f"{label} ({where}): every subscriber within 10 % of the median"
+                        " received count",
+                        within * 100 if within is not None else None,
+                        100,
+                        "%",
+                        1,
+                    )
+                )
+        return checks
+
+    def server_bound_details(self) -> None:
+        for key, label in SERVER_BOUND:
+            section = self.r.get(key)
+            if not section or not section.get("servers"):
+                continue
+            self.add(
+                f"### {label} (Go load generator; jobsignal, grpc-go and grpc.aio)",
+                "",
+                f"{section['subscribers']:,} subscribers on {section['connections']:,}"
+                f" connections, one grpc-go load generator process (`bench/go/loadgen`),"
+                f" {section['rate']:g} events/s offered ({section['offered_per_s']:,.0f}"
+                f" deliveries/s), {section['reps']} windows of {section['window_s']:g} s on"
+                " the same processes. The load generator counts messages without decoding"
+                f" them; one message in {section['sample_every']} of each subscriber is"
+                " decoded for its latency (publish time in `sid` to arrival). Per subscriber:"
+                " messages received over all windows (min / median / max; starved = got"
+                " nothing; the share within 10 % of the median).",
+                "",
+            )
+            self.provenance(section)
+            rows = []
+            for kind in ("jobsignal", "go", "reference"):
+                row = _get(section, "servers", kind)
+                if not row:
+                    continue
+                spread = row["fairness"]
+                per_connection = (
+                    f"{spread['per_connection_min']:,}–{spread['per_connection_max']:,}"
+                    if "per_connection_min" in spread
+                    else "—"
+                )
+                latency = row["latency"]
+                rows.append(
+                    [
+                        SERVER_BOUND_NAMES[kind],
+                        f"{_spread(row['rate'])} of {_num(row['offered_per_s'], 0)}",
+                        _spread(row["server_cpu"], 2),
+                        _spread(row["us_per_msg"], 1),
+                        f"{_num(latency['p50_ms'], 1)} / {_num(latency['p99_ms'], 1)}"
+                        f" / {_num(latency['max_ms'], 1)} ({latency['samples']:,})",
+                        f"{spread['min']:,} / {_num(spread['median'], 0)} / {spread['max']:,}"
+                        f" ({spread['starved']} starved,"
+                        f" {_num(spread['within_10pct'] * 100, 0)} % within 10 %)",
+                        per_connection,
+                        f"{_spread(row['loadgen_us_per_msg'], 1)}"
+                        f" ({_num(_median(row['loadgen_cpu']), 2)} cores)",
+                        _num(_mb(row["rss_bytes"]), 0),
+                        str(row["loadgen_ended"]),
+                    ]
+                )
+            self.table(
+                [
+                    "Server",
+                    "Delivered msg/s (offered)",
+                    "Server CPU",
+                    "Server µs/msg",
+                    "p50 / p99 / max ms (samples)",
+                    "Per subscriber min / median / max",
+                    "Per connection",
+                    "Load generator µs/msg (CPU)",
+                    "Server RSS MB",
+                    "Streams ended",
+                ],
+                rows,
+            )
+            ours = self.server_bound_figure(key, "jobsignal", "us_per_msg")
+            go = self.server_bound_figure(key, "go", "us_per_msg")
+            aio = self.server_bound_figure(key, "reference", "us_per_msg")
+            rate = self.server_bound_figure(key, "jobsignal", "rate")
+            self.add(
+                f"jobsignal ÷ grpc-go: server µs per delivered msg {_ratio(ours, go)},"
+                f" delivered {_ratio(rate, self.server_bound_figure(key, 'go', 'rate'))};"
+                f" jobsignal ÷ grpc.aio: {_ratio(ours, aio)},"
+                f" delivered {_ratio(rate, self.server_bound_figure(key, 'reference', 'rate'))}.",
+                "",
+            )
+
     def details(self) -> None:
         r = self.r
         self.add("## Details", "")
+        self.server_bound_details()
         fanout = r.get("fanout")
         if fanout:
             self.add(
@@ -1082,6 +1260,15 @@ class Report:
             " clients compete with the server for the same cores: the client cost per message"
             " is reported next to the server's, and server CPU µs per delivered message is the"
             " figure that does not depend on how fast the clients are.",
+            "- The server-bound scenarios use a load generator written in Go"
+            " (`bench/go/loadgen`, grpc-go's default windows, subscribers sharing a"
+            " configurable number of connections) that does not decode most messages and"
+            " reports its own CPU (getrusage), a few µs per message, so the server is the"
+            " limit. They compare jobsignal and grpc.aio with a grpc-go server written like"
+            " ClusterD (`bench/go/reference`: a goroutine per stream, a 10-message channel per"
+            " subscriber, a message dropped for a subscriber whose channel is full), all three"
+            " publishing the same jobs at the same offered rate. Both Go programs are built"
+            " at run time in GOPATH mode from Debian's packages (`bench/gobuild.py`).",
             f"- Repetitions: {self.r.get('sizes', {}).get('reps')} measurement windows per"
             " scenario on the same processes (memory: one measurement); latency percentiles"
             " are over all samples of all windows (nearest rank).",
@@ -1099,7 +1286,11 @@ def _plots(results: dict[str, Any], out: Path) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
+        # Without matplotlib the plots already in `out` stay (a --report-only
+        # rewrite after merging other figures must not lose them).
         return []
+    for name in PLOTS:
+        (out / name).unlink(missing_ok=True)
     written: list[str] = []
     colors = {"jobsignal": "tab:blue", "reference": "tab:orange"}
 
@@ -1209,8 +1400,6 @@ def _answer_cell(row: dict[str, Any]) -> str:
 
 
 def write_report(results: dict[str, Any], out: Path) -> Path:
-    for name in PLOTS:
-        (out / name).unlink(missing_ok=True)
     _plots(results, out)
     text = Report(results, out).build()
     path = out / REPORT_NAME

@@ -3,6 +3,8 @@
 Tiny sizes, one repetition, output in a temporary directory. No timing is
 asserted: the figures of a quick run on a shared machine mean nothing; the
 point is that every scenario still runs end to end and lands in the report.
+The server-bound scenarios build the Go load generator and reference server
+from Debian's packages; without them the test fails naming the packages.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.run import ATTACKS
+import pytest
+
+from bench.gobuild import INSTALL_HINT, missing_go_packages
+from bench.run import ATTACKS, GO_SERVERS
 
 REPO = Path(__file__).resolve().parents[1]
 # The summary table's first column starts with one of these per scenario.
@@ -27,11 +32,20 @@ SCENARIO_ROWS = (
     "Slow clients",
     "Under attack",
     "Big and small",
+    "Server-bound fan-out",
+    "Server-bound, one connection each",
 )
 PLOTS = ("fanout.png", "latency.png", "memory.png", "slow.png")
 
 
 def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
+    missing = missing_go_packages()
+    if missing:
+        pytest.fail(
+            "the benchmark's Go load generator and reference server need Debian packages"
+            f" that are not installed: {', '.join(missing)}; {INSTALL_HINT}",
+            pytrace=False,
+        )
     out = tmp_path / "results"
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
@@ -55,6 +69,15 @@ def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
     assert [row["attack"] for row in attacks] == list(ATTACKS)
     assert all(row["attacker"]["connections"] >= 1 for row in attacks)
     assert len(results["big_and_small"]["phases"]) == 2
+    # The Go load generator measured all three servers, every subscriber served.
+    for scenario in ("server_fanout", "server_one_conn"):
+        servers = results[scenario]["servers"]
+        assert sorted(servers) == sorted(GO_SERVERS), scenario
+        for kind, row in servers.items():
+            assert row["fairness"]["subscribers"] == results[scenario]["subscribers"]
+            assert row["fairness"]["min"] > 0, (scenario, kind, row["fairness"])
+            assert row["latency"]["samples"] > 0, (scenario, kind)
+            assert all(cpu >= 0 for cpu in row["loadgen_cpu"]), (scenario, kind)
     for section in ("## Machine", "## Targets", "## Where the time goes", "## Method"):
         assert section in report
     if importlib.util.find_spec("matplotlib") is not None:
