@@ -2,9 +2,9 @@
 
     python -m bench.cluster [--deadline S]
 
-Runs `jobsignal.kube.emulator` on 127.0.0.1 in its own process (as a real
+Runs `jobsignal.sim.emulator` on 127.0.0.1 in its own process (as a real
 API server would be) and, on command, writes job-summary ConfigMaps the way
-ClusterD does (`jobsignal.kube.clusterd`): a bulk population for the initial
+ClusterD does (`jobsignal.sim.clusterd`): a bulk population for the initial
 LIST, a steady stream of changes at a given rate, or one large job split over
 several ConfigMaps. Every write stamps its wall-clock time (Unix ns) into the
 `sid` data key, so a subscriber can measure ConfigMap change to arrival.
@@ -23,8 +23,8 @@ import trio.lowlevel
 
 from bench.common import answer_commands, emit, setup_child
 from bench.events import clusterd_job
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.kube.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
 
 
 def write_job(state: ConfigMapStore, job: ClusterdJob, status: str, sid: str) -> int:

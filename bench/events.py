@@ -1,6 +1,6 @@
 """The job events both servers publish, built the way production builds them.
 
-Jobs are written as ClusterD writes them (`jobsignal.kube.clusterd`) and
+Jobs are written as ClusterD writes them (`jobsignal.sim.clusterd`) and
 assembled by jobsignal's own job store, so the events carry realistic rank
 tables. The publish time goes into `sid` (Unix nanoseconds): a subscriber
 compares it with its own clock on arrival (every process runs on one machine).
@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from bench.common import NAMESPACE
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.store import JobStore, JobSummary
 
 

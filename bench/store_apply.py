@@ -29,8 +29,8 @@ import trio
 
 from jobsignal.fanout import Broadcaster
 from jobsignal.kube.api import KubeApi
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.kube.watcher import Watcher, WatchSettings
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 

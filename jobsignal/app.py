@@ -27,7 +27,6 @@ from jobsignal.events import JobEvents
 from jobsignal.fanout import Broadcaster
 from jobsignal.kube.api import KubeApi, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
-from jobsignal.kube.demo import run_demo_cluster
 from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.metrics import MetricSources, build_registry
 from jobsignal.metrics_server import HttpStats, run_metrics_server
@@ -38,6 +37,7 @@ from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
 from jobsignal.rpc.session import SessionSettings
 from jobsignal.rpc.tls import TlsConfigError, TlsFiles, build_context
+from jobsignal.sim.demo import run_demo_cluster
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 

@@ -33,11 +33,11 @@ from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.client import SubscribeOptions, subscribe
 from jobsignal.config import load_config
 from jobsignal.fanout.stats import FanoutStats, Histogram
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.kube.emulator import KubeEmulator, open_emulator
-from jobsignal.kube.emulator.server import ExpireWatch, HttpError
 from jobsignal.kube.watcher import WatchCounters
 from jobsignal.metrics import BuildInfo, MetricSources, build_registry
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.emulator.server import ExpireWatch, HttpError
 from jobsignal.store.configmap import REASONS
 
 

@@ -27,7 +27,6 @@ from test_metrics import Scrape, kubeconfig_for, scrape, scrape_text
 from jobsignal import metrics_server
 from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.config import load_config
-from jobsignal.kube.emulator import open_emulator
 from jobsignal.logs import RateLimitedLog
 from jobsignal.metrics_server import (
     CONNECTION_TIMEOUT,
@@ -35,6 +34,7 @@ from jobsignal.metrics_server import (
     gzip_accepted,
     run_metrics_server,
 )
+from jobsignal.sim.emulator import open_emulator
 
 UP = CollectorRegistry()
 Gauge("up", "Test.", registry=UP).set(1)

@@ -37,8 +37,8 @@ from jobsignal._proto.job import JobSummarySignal
 from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.config import load_config
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.kube.clusterd import ClusterdJob
-from jobsignal.kube.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.clusterd import ClusterdJob
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from jobsignal.store import JobKey, JobStore
 from jobsignal.store.model import EVENT_ID_NAMESPACE, JobSummary, event_id
 

@@ -220,8 +220,8 @@ from rpc import expected_signal  # noqa: E402
 
 from jobsignal.app import RunningJobsignal, run_jobsignal  # noqa: E402
 from jobsignal.config import configure  # noqa: E402
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob  # noqa: E402
-from jobsignal.kube.emulator import (  # noqa: E402
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob  # noqa: E402
+from jobsignal.sim.emulator import (  # noqa: E402
     ConfigMapStore,
     KubeEmulator,
     Selector,

@@ -24,8 +24,8 @@ import jobsignal
 from jobsignal.config import Config
 from jobsignal.events import EventKind, FellBehind, JobEvent, JobEvents, JobState, parse_rank_table
 from jobsignal.fanout import Broadcaster
-from jobsignal.kube.clusterd import ClusterdJob
-from jobsignal.kube.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.clusterd import ClusterdJob
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from jobsignal.store.model import JobSummary, event_id
 
 ROOT = Path(__file__).parent.parent

@@ -1,1 +1,1 @@
-"""The Kubernetes side: credentials, the LIST + WATCH client, and the API emulator."""
+"""The Kubernetes side: credentials and the LIST + WATCH client (emulator: `jobsignal.sim`)."""

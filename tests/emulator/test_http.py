@@ -23,7 +23,7 @@ import trio
 import trio.testing
 import trustme
 
-from jobsignal.kube.emulator import (
+from jobsignal.sim.emulator import (
     BOOKMARK_BEFORE_TIMEOUT,
     Drop,
     ExpireWatch,

@@ -16,7 +16,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobsignal.kube.emulator.state import (
+from jobsignal.sim.emulator.state import (
     Change,
     ConfigMap,
     ConfigMapStore,

@@ -33,9 +33,9 @@ import yaml
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.kube.api import KubeApi, TokenProvider
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.kube.emulator import ConfigMapStore, KubeEmulator, Selector, StatusError
 from jobsignal.kube.watcher import Credentials, Watcher, WatchSettings
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, Selector, StatusError
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobKey, JobStore, JobSummary
 from jobsignal.store.configmap import BadConfigMap, Slice, parse_slice

@@ -25,15 +25,15 @@ from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
 
 from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.config import load_config
-from jobsignal.kube.clusterd import ClusterdJob
-from jobsignal.kube.emulator import (
+from jobsignal.rpc.server import SOURCE_HEALTH_NAME
+from jobsignal.sim.clusterd import ClusterdJob
+from jobsignal.sim.emulator import (
     Drop,
     ExpireWatch,
     KubeEmulator,
     Stall,
     open_emulator,
 )
-from jobsignal.rpc.server import SOURCE_HEALTH_NAME
 from jobsignal.store.model import event_id
 
 from .helpers import (

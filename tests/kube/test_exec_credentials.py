@@ -31,15 +31,15 @@ import trustme
 
 import jobsignal
 from jobsignal.kube.api import ApiUnavailable, KubeApi, Unauthorized, open_kube_client
-from jobsignal.kube.clusterd import ClusterdJob
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, load_kubeconfig
-from jobsignal.kube.emulator import KubeEmulator, open_emulator
 from jobsignal.kube.exec_credentials import (
     MAX_STDOUT,
     RUN_TIMEOUT,
     ExecCredentialError,
     ExecCredentials,
 )
+from jobsignal.sim.clusterd import ClusterdJob
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
 
 from .helpers import Cluster, write_kubeconfig
 from .test_kube_credentials_e2e import https_context, open_source

@@ -30,9 +30,9 @@ import jobsignal
 from jobsignal.app import choose_connection, run_source
 from jobsignal.config import ConfigError, load_config
 from jobsignal.fanout import Broadcaster
-from jobsignal.kube.clusterd import ClusterdJob
-from jobsignal.kube.emulator import open_emulator
 from jobsignal.kube.watcher import Watcher
+from jobsignal.sim.clusterd import ClusterdJob
+from jobsignal.sim.emulator import open_emulator
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 

@@ -26,8 +26,8 @@ import jobsignal.store.configmap as configmap_module
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.kube import watcher as watcher_module
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.kube.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from jobsignal.store import JobStore, JobSummary
 from jobsignal.store.jobs import Changes
 

@@ -24,9 +24,10 @@ import trio
 import trio.testing
 
 from jobsignal.backoff import Backoff
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.kube.credentials import TokenSource
-from jobsignal.kube.emulator import (
+from jobsignal.kube.watcher import WatchSettings
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.emulator import (
     Drop,
     ExpireWatch,
     HttpError,
@@ -36,7 +37,6 @@ from jobsignal.kube.emulator import (
     Stall,
     open_emulator,
 )
-from jobsignal.kube.watcher import WatchSettings
 from jobsignal.status import SourceStatus
 
 from .helpers import (

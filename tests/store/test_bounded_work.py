@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from jobsignal.kube.clusterd import ClusterdJob
+from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.store import JobStore
 from jobsignal.store.jobs import ADDED, MODIFIED
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.store import JobStore, jobs
 from jobsignal.store.jobs import ADDED, DELETED, MODIFIED
 

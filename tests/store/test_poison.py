@@ -11,7 +11,7 @@ import pytest
 
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.fanout.encoding import encode_signal
-from jobsignal.kube.clusterd import ClusterdJob
+from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.store import JobStore, JobSummary
 from jobsignal.store.configmap import (
     FIELD_LIMITS,

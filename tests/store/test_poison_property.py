@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.kube.clusterd import JOB_LABELS
+from jobsignal.sim.clusterd import JOB_LABELS
 from jobsignal.store import JobStore, JobSummary
 from jobsignal.store.configmap import SERVER_LIST_KEY, BadConfigMap, Slice, parse_slice
 from jobsignal.store.jobs import ADDED, DELETED, MODIFIED, JobSlices

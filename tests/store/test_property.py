@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.store import JobStore
 from jobsignal.store.configmap import parse_slice
 from jobsignal.store.jobs import ADDED, DELETED, MODIFIED, assemble

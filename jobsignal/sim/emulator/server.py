@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import h11
 import trio
 
-from jobsignal.kube.emulator.state import (
+from jobsignal.sim.emulator.state import (
     ConfigMap,
     ConfigMapStore,
     EventType,

@@ -18,8 +18,8 @@ import uuid
 
 import trio
 
-from jobsignal.kube.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.kube.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ injection. Typical use::
         ...  # point a client at emu.url
 """
 
-from jobsignal.kube.emulator.server import (
+from jobsignal.sim.emulator.server import (
     BOOKMARK_BEFORE_TIMEOUT,
     DEFAULT_WATCH_TIMEOUT,
     Drop,
@@ -26,7 +26,7 @@ from jobsignal.kube.emulator.server import (
     open_emulator,
     run_emulator,
 )
-from jobsignal.kube.emulator.state import (
+from jobsignal.sim.emulator.state import (
     Change,
     ConfigMap,
     ConfigMapStore,
