@@ -26,7 +26,6 @@ import pytest
 from deploy.test_manifests import (
     COMPONENT_PURPOSES,
     KUBE,
-    ROOT,
     ROOT_KUSTOMIZATIONS,
     STABLE_LABELS,
     WORKLOAD_KINDS,
@@ -152,7 +151,7 @@ def test_base_keeps_one_replica_and_points_at_the_component() -> None:
     assert "components/ha" in comment, (
         f"the replicas comment does not name the component: {comment}"
     )
-    assert (ROOT / "deploy" / "kubernetes" / "components" / "ha" / "kustomization.yaml").is_file()
+    assert (HA / "kustomization.yaml").is_file()
 
 
 @pytest.mark.parametrize("root", ROOT_KUSTOMIZATIONS, ids=_rel)
