@@ -180,6 +180,11 @@ async def receive(stream: ServerStream, size: int) -> bytes | None:
     return data
 
 
+def headers_sent(stream: ServerStream) -> bool:
+    """Whether the response headers of a server stream are out."""
+    return bool(stream._send_initial_metadata_done)
+
+
 def send_now(stream: ServerStream, data: memoryview) -> int:
     """Queue as much of `data` as HTTP/2 lets go without waiting; the bytes queued (0: wait).
 
@@ -191,11 +196,7 @@ def send_now(stream: ServerStream, data: memoryview) -> int:
     """
     h2_stream = stream._stream
     connection = h2_stream.connection
-    if (
-        not stream._send_initial_metadata_done
-        or not connection.write_ready.is_set()
-        or connection.is_closing()
-    ):
+    if not headers_sent(stream) or not connection.write_ready.is_set() or connection.is_closing():
         return 0
     stream_id = h2_stream.id
     assert stream_id is not None  # set when the request arrived

@@ -11,12 +11,15 @@ sends GOAWAY ENHANCE_YOUR_CALM.
 - Stream resets (RST_STREAM from the client): a token bucket, so a client may
   cancel its calls, even many at once, but not open-and-reset streams at a
   rate (the Rapid Reset attack, CVE-2023-44487).
-- Control frames (SETTINGS, PING, WINDOW_UPDATE, PRIORITY, RST_STREAM,
-  GOAWAY, unknown frame types, DATA frames with no payload that do not end
-  the stream): a token bucket that also earns two tokens for every DATA or
-  HEADERS frame the server sends, because a client legitimately answers the
-  data it receives with WINDOW_UPDATEs (one for the stream, one for the
-  connection) and grpc-go pings with them (BDP estimation).
+- Every other frame but HEADERS and CONTINUATION (SETTINGS, PING,
+  WINDOW_UPDATE, PRIORITY, RST_STREAM, GOAWAY, unknown types, and DATA: a
+  job.Job request is one small DATA frame, so a client's requests, already
+  bounded by the per-address rate limits, cost one token each, and DATA sent
+  on a stream h2 already closed costs the same as any other): a token bucket
+  that also earns two tokens for every DATA or HEADERS frame the server
+  sends, because a client legitimately answers the data it receives with
+  WINDOW_UPDATEs (one for the stream, one for the connection) and grpc-go
+  pings with them (BDP estimation).
 
 These are what grpc-go, gRPC core, nginx and Envoy bound too; the defaults
 are far above what any real client sends (see docs/architecture.md
@@ -36,11 +39,9 @@ CREDIT_PER_FRAME_SENT = 2.0
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER_SIZE = 9
-DATA, HEADERS, RST_STREAM, CONTINUATION = 0x0, 0x1, 0x3, 0x9
-END_STREAM = 0x1
-# Frame types that carry requests: HEADERS and CONTINUATION (bounded by h2's
-# header limits and the stream budgets). Every other type is a control frame,
-# unknown types included; DATA only when empty and not ending its stream.
+HEADERS, RST_STREAM, CONTINUATION = 0x1, 0x3, 0x9
+# Frame types that open requests: HEADERS and CONTINUATION (bounded by h2's
+# header limits and the stream budgets). Every other type costs a token.
 _REQUEST_FRAMES = frozenset({HEADERS, CONTINUATION})
 
 
@@ -123,20 +124,16 @@ class ConnectionBudget:
             if len(self._header) < FRAME_HEADER_SIZE:
                 break
             length = int.from_bytes(self._header[:3], "big")
-            frame_type, flags = self._header[3], self._header[4]
+            frame_type = self._header[3]
             self._header.clear()
             self._payload_left = length
             # The whole input is still scanned, so that the next read starts in step.
-            broken = broken or self._charge_frame(frame_type, flags, length, now)
+            broken = broken or self._charge_frame(frame_type, now)
         return broken
 
-    def _charge_frame(self, frame_type: int, flags: int, length: int, now: float) -> str | None:
+    def _charge_frame(self, frame_type: int, now: float) -> str | None:
         if frame_type == RST_STREAM and not self.resets.take(now):
             return RAPID_RESET
-        if frame_type in _REQUEST_FRAMES:
-            return None
-        if frame_type == DATA and (length or flags & END_STREAM):
-            return None
-        if not self.control.take(now):
+        if frame_type not in _REQUEST_FRAMES and not self.control.take(now):
             return CONTROL_FLOOD
         return None

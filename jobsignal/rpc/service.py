@@ -123,7 +123,10 @@ class JobService:
             f"rate limit: at most {limiter.rate:g} {what} calls per second"
             f" (bursts of {limiter.burst}) per client address; retry later"
         )
-        log.info("refused %s from %s: %s", what, ip, refusal)
+        # One flooding address must not fill the log: counted, logged a few times a minute.
+        fault_log.log(
+            logging.INFO, f"rate_limited:{what}", "refused %s from %s: %s", what, ip, refusal
+        )
         self.broadcaster.stats.stream_ends["refused"] += 1
         await stream.send_trailing_metadata(
             status=grpclib.const.Status.RESOURCE_EXHAUSTED, status_message=refusal

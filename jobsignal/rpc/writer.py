@@ -45,9 +45,13 @@ class StreamWriter:
         self._stream = stream
         self._flush = flush
         self._send_waiting = trio_asyncio.aio_as_trio(_grpclib.send_waiting)
+        self._send_headers = trio_asyncio.aio_as_trio(stream.send_initial_metadata)
 
     async def write(self, frames: list[bytes]) -> bool:
         """Write a batch; True when it all went out without waiting."""
+        if not _grpclib.headers_sent(self._stream):
+            # Once, through grpclib: then a first batch (a whole snapshot) is sliced too.
+            await self._send_headers()
         data = memoryview(frame(frames))
         sent = 0
         # The slices are never waited for, so they are shielded: a stream

@@ -42,25 +42,21 @@ def test_control_frames_get_a_burst_of_twice_the_rate_then_the_rate() -> None:
     assert guard.charge_input(wire(PingFrame(0)), 0.5) == CONTROL_FLOOD
 
 
-def test_every_kind_of_control_frame_counts_and_requests_do_not() -> None:
+def test_every_frame_but_request_headers_costs_a_token() -> None:
     guard = budget()
-    requests = wire(
-        HeadersFrame(1, b"", flags=["END_HEADERS"]),
-        DataFrame(1, b"payload"),
-        DataFrame(1, b"", flags=["END_STREAM"]),  # an empty DATA that ends the stream
-    )
+    headers = wire(HeadersFrame(1, b"", flags=["END_HEADERS"]))
     for _ in range(100):
-        assert guard.charge_input(requests, 0.0) is None
-    controls = wire(
+        assert guard.charge_input(headers, 0.0) is None
+    frames = wire(
         SettingsFrame(0),
         WindowUpdateFrame(0, window_increment=1),
-        DataFrame(1, b""),  # empty and not ending the stream: a control frame
-        PingFrame(0),
+        DataFrame(1, b"a request"),
+        DataFrame(1, b"", flags=["END_STREAM"]),
     )
     # 9 tokens were left: two rounds of 4 pass, the third does not.
-    assert guard.charge_input(controls, 0.0) is None
-    assert guard.charge_input(controls, 0.0) is None
-    assert guard.charge_input(controls, 0.0) == CONTROL_FLOOD
+    assert guard.charge_input(frames, 0.0) is None
+    assert guard.charge_input(frames, 0.0) is None
+    assert guard.charge_input(frames, 0.0) == CONTROL_FLOOD
 
 
 def test_frames_split_across_reads_are_counted_once() -> None:

@@ -561,8 +561,17 @@ async def test_a_continuation_flood_ends_only_its_connection() -> None:
         assert server.connections.closed_by_server["protocol_error"] == 1
 
 
-async def test_empty_data_on_a_stream_the_server_closed_still_counts(
-    grpc_clients: GrpcioClients,
+@pytest.mark.parametrize(
+    "data",
+    [
+        lambda: DataFrame(1, b""),
+        lambda: DataFrame(1, b"x"),
+        lambda: DataFrame(1, b"", flags=["END_STREAM"]),
+    ],
+    ids=["empty", "one-byte", "empty-end-stream"],
+)
+async def test_data_on_a_stream_the_server_closed_still_counts(
+    grpc_clients: GrpcioClients, data: Callable[[], DataFrame]
 ) -> None:
     """h2 answers such frames with RST_STREAM by itself, without an event."""
     async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
@@ -578,7 +587,7 @@ async def test_empty_data_on_a_stream_the_server_closed_still_counts(
             async def attack() -> None:
                 for _ in range(10):
                     with contextlib.suppress(trio.BrokenResourceError):
-                        await peer.send(*(DataFrame(1, b"") for _ in range(500)))
+                        await peer.send(*(data() for _ in range(500)))
 
             await publish_while(server, healthy, attack)
             await peer.read_until(has_goaway)
