@@ -337,9 +337,9 @@ SERVE_SETTINGS: tuple[Setting, ...] = _in_groups(
         "max_control_frames_per_second",
         "500",
         _per_second,
-        "SETTINGS, PING, WINDOW_UPDATE, PRIORITY, RST_STREAM and empty DATA frames per second"
-        " one connection may send (bursts of twice as many, plus 2 per frame the server sends);"
-        " beyond: GOAWAY ENHANCE_YOUR_CALM control_flood",
+        "frames other than HEADERS and CONTINUATION (SETTINGS, PING, WINDOW_UPDATE, DATA, ...)"
+        " per second one connection may send (bursts of twice as many, plus 2 per frame the"
+        " server sends); beyond: GOAWAY ENHANCE_YOUR_CALM control_flood",
     ),
     Setting(
         "read_bytes_per_turn",
