@@ -213,7 +213,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = _in_groups(
         "metrics_listen",
         "",
         _optional_listen,
-        "Prometheus metrics HOST:PORT, serving /metrics and /healthz (empty: off)",
+        "plain-HTTP HOST:PORT serving /metrics, /readyz, /livez and /healthz (empty: off)",
     ),
     "Kubernetes",
     Setting(
