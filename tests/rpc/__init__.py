@@ -320,3 +320,18 @@ def expected_signal(job: JobSummary, uuid: str) -> dict[str, str]:
 def signal_fields(message: Any) -> dict[str, str]:
     """All 15 fields of a grpcio JobSummarySignal, by proto name."""
     return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+
+
+def count_writes(connections: ConnectionTable) -> list[int]:
+    """From now on, the size of every write to the server's one connection's socket."""
+    (protocol,) = connections.protocols()
+    transport = protocol.connection._transport
+    writes: list[int] = []
+    write = transport.write
+
+    def counted_write(data: bytes) -> None:
+        writes.append(len(data))
+        write(data)
+
+    setattr(transport, "write", counted_write)  # noqa: B010  (an instance, not the class)
+    return writes

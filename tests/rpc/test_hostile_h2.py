@@ -50,6 +50,7 @@ from jobsignal.rpc.writer import WRITE_SLICE
 from . import (
     ServerHarness,
     StreamCollector,
+    count_writes,
     in_thread,
     local_settings,
     make_job,
@@ -141,6 +142,15 @@ class RawPeer:
                 self.headers.setdefault(frame.stream_id, []).extend(
                     (str(k), str(v)) for k, v in decoded
                 )
+
+    async def assert_serves_a_request(self, stream_id: int) -> None:
+        """A well-formed Register on `stream_id` is answered OK."""
+        await self.send(
+            self.headers_frame(stream_id, grpc_request_headers(self.port)),
+            DataFrame(stream_id, register_body(), flags=["END_STREAM"]),
+        )
+        await self.read_until(lambda p: stream_id in p.ended_streams())
+        assert dict(self.headers[stream_id]).get("grpc-status") == "0"
 
     def goaway(self) -> GoAwayFrame | None:
         found = [f for f in self.frames if isinstance(f, GoAwayFrame)]
@@ -437,12 +447,7 @@ async def test_a_request_without_path_gets_a_status_and_the_connection_goes_on()
         assert answer["grpc-status"] == "13"
         assert "no :path" in answer["grpc-message"]
         # The same connection still serves a well-formed request.
-        await peer.send(
-            peer.headers_frame(3, grpc_request_headers(server.port)),
-            DataFrame(3, register_body(), flags=["END_STREAM"]),
-        )
-        await peer.read_until(lambda p: 3 in p.ended_streams())
-        assert dict(peer.headers[3]).get("grpc-status") == "0"
+        await peer.assert_serves_a_request(3)
 
 
 async def test_a_protocol_error_gets_its_goaway_before_the_close() -> None:
@@ -538,12 +543,7 @@ async def test_an_hpack_bomb_ends_only_its_connection() -> None:
         # The server goes on serving.
         async with raw_peer(server.port) as peer:
             await peer.handshake()
-            await peer.send(
-                peer.headers_frame(1, grpc_request_headers(server.port)),
-                DataFrame(1, register_body(), flags=["END_STREAM"]),
-            )
-            await peer.read_until(lambda p: 1 in p.ended_streams())
-            assert dict(peer.headers[1]).get("grpc-status") == "0"
+            await peer.assert_serves_a_request(1)
 
 
 async def test_a_continuation_flood_ends_only_its_connection() -> None:
@@ -616,16 +616,7 @@ async def test_a_large_message_is_written_one_slice_per_loop_turn() -> None:
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
         server.broadcaster.publish([make_job(1)])  # the response headers go out first
         await peer.read_until(lambda p: _data_on(p, 3) > 0)
-        (protocol,) = server.connections.protocols()
-        transport = protocol.connection._transport
-        writes: list[int] = []
-        write = transport.write
-
-        def counted_write(data: bytes) -> None:
-            writes.append(len(data))
-            write(data)
-
-        setattr(transport, "write", counted_write)  # noqa: B010  (an instance, not the class)
+        writes = count_writes(server.connections)
         before = _data_on(peer, 3)
         big = make_job(2, npus=30_000)
         size = len(big.hccl_json)

@@ -22,6 +22,7 @@ from jobsignal.store.model import JobSummary, event_id
 from . import (
     ROLES,
     StreamCollector,
+    count_writes,
     expected_signal,
     in_thread,
     local_settings,
@@ -511,16 +512,7 @@ async def test_a_publish_to_many_streams_of_one_connection_is_one_write(
         await wait_until(lambda: len(server.broadcaster.subscribers) == streams)
         server.broadcaster.publish([make_job(0)])  # the response headers go out first
         await wait_until(lambda: all(len(c.messages) == 1 for c in collectors))
-        (protocol,) = server.connections.protocols()
-        transport = protocol.connection._transport
-        writes: list[int] = []
-        write = transport.write
-
-        def counted_write(data: bytes) -> None:
-            writes.append(len(data))
-            write(data)
-
-        setattr(transport, "write", counted_write)  # noqa: B010  (an instance, not the class)
+        writes = count_writes(server.connections)
         for index in range(1, 6):
             server.broadcaster.publish([make_job(index)])
             await wait_until(functools.partial(all_received, collectors, index + 1))
