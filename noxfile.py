@@ -37,21 +37,22 @@ TYPECHECK_DEPS = ["mypy==2.4.1", "types-PyYAML", "nox"]
 
 
 def _activate_pyenv_pythons() -> None:
-    """Let pyenv's shims run every installed supported Python, not only the active one.
+    """Let pyenv's shims run every installed supported Python, not only the active ones.
 
     A pyenv shim such as `python3.12` fails unless that version is active, so
-    nox would report the interpreter as broken. When PYENV_VERSION is unset,
-    make the newest installed patch release of each supported version active,
-    after the ones already active (which stay the default `python3`).
+    nox would report the interpreter as missing. Make the newest installed
+    patch release of each supported version active too, after the ones already
+    active (which stay the default `python3`). Run through a shim, nox itself
+    already has PYENV_VERSION set to the version it runs on.
     """
-    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+    if shutil.which("pyenv") is None:
         return
 
     def pyenv(*args: str) -> list[str]:
         done = subprocess.run(["pyenv", *args], capture_output=True, text=True, check=False)
         return done.stdout.split() if done.returncode == 0 else []
 
-    active = [v for line in pyenv("version-name") for v in line.split(":")]
+    current = os.environ.get("PYENV_VERSION") or ":".join(pyenv("version-name"))
     installed = pyenv("versions", "--bare")
 
     def newest(minor: str) -> list[str]:
@@ -60,8 +61,8 @@ def _activate_pyenv_pythons() -> None:
         ]
         return sorted(matches, key=lambda v: int(v.rsplit(".", 1)[1]))[-1:]
 
-    wanted = [*active, *(v for minor in PYTHONS for v in newest(minor))]
-    os.environ["PYENV_VERSION"] = ":".join(dict.fromkeys(wanted))
+    wanted = [*current.split(":"), *(v for minor in PYTHONS for v in newest(minor))]
+    os.environ["PYENV_VERSION"] = ":".join(dict.fromkeys(v for v in wanted if v))
 
 
 _activate_pyenv_pythons()
