@@ -207,9 +207,11 @@ async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
                 stream = stub.subscribe_job_summary_signal(request)
             if options.on_subscribed is not None:
                 options.on_subscribed(client_id)
-            async for message in trio_asyncio.aio_as_trio(stream):
-                backoff.reset()
-                yield message
+            # Closed when our caller stops early, not left to the garbage collector.
+            async with aclosing(trio_asyncio.aio_as_trio(stream).__aiter__()) as messages:
+                async for message in messages:
+                    backoff.reset()
+                    yield message
             log.warning("stream ended without a status; resubscribing")
         except GRPCError as error:
             if error.status in FATAL_STATUSES:

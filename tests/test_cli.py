@@ -114,6 +114,9 @@ def running(*args: str) -> Iterator[subprocess.Popen[str]]:
         if process.poll() is None:
             process.kill()
         process.wait(timeout=10)
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def _read_until(stream: object, pattern: str, timeout: float = 30) -> list[str]:

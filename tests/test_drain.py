@@ -171,3 +171,5 @@ def test_sigterm_drains_a_real_server(
         if server.poll() is None:
             server.kill()
         server.wait(timeout=10)
+        if server.stderr is not None:
+            server.stderr.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, Protocol
 
 import httpx
@@ -232,12 +232,14 @@ class KubeApi:
             if response.status_code != 200:
                 body = await _read_bounded(response)
                 raise _error_for(response.status_code, body, response.headers)
-            yield self._events(response)
+            # Closed here, not left to the garbage collector, when the caller stops early.
+            async with aclosing(self._events(response)) as events:
+                yield events
         finally:
             with trio.CancelScope(shield=True):
                 await response.aclose()
 
-    async def _events(self, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, response: httpx.Response) -> AsyncGenerator[dict[str, Any], None]:
         lines = response.aiter_lines()
         while True:
             try:

@@ -29,7 +29,7 @@ async def test_grpclib_wrappers_work_inside_a_trio_asyncio_task() -> None:
     await trio.lowlevel.checkpoint()
 
 
-def test_every_grpclib_internal_the_adapter_uses_exists() -> None:
+async def test_every_grpclib_internal_the_adapter_uses_exists() -> None:
     """A grpclib or h2 upgrade that renames one of these fails here, by name."""
     import grpclib.protocol
     import grpclib.server
@@ -37,7 +37,8 @@ def test_every_grpclib_internal_the_adapter_uses_exists() -> None:
     import h2.settings
 
     server_attrs = ["_protocol_factory", "_server", "_server_closed_fut", "_handlers"]
-    server = grpclib.server.Server([])
+    async with trio_asyncio.open_loop():  # Server() reads the current loop
+        server = grpclib.server.Server([])
     for name in server_attrs:
         assert hasattr(server, name), f"grpclib Server.{name}"
     stream_attrs = ["_stream", "_codec", "_send_initial_metadata_done", "_send_message_done"]
