@@ -105,6 +105,16 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def fast(session: nox.Session) -> None:
+    """The inner loop: the suite without the tests marked slow (soak, benchmark, long holds).
+
+    Not part of the default run, which runs everything.
+    """
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "not slow", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff lint and format check (generated code excluded), and the layer contracts
     of pyproject.toml's [tool.importlinter] (read from the source, nothing installed)."""

@@ -38,6 +38,7 @@ SCENARIO_ROWS = (
 PLOTS = ("fanout.png", "latency.png", "memory.png", "slow.png")
 
 
+@pytest.mark.slow
 def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
     missing = missing_go_packages()
     if missing:

@@ -213,6 +213,7 @@ if __name__ == "__main__":
 
 # -- the test ----------------------------------------------------------------------------------
 
+import pytest  # noqa: E402
 import trio  # noqa: E402
 import trio.lowlevel  # noqa: E402
 from grpcio_stubs import GrpcioStubs, cli_env  # noqa: E402
@@ -650,6 +651,7 @@ class SoakReport:
         yield from (f"{k}={v}" for k, v in self.figures.items())
 
 
+@pytest.mark.slow
 async def test_soak_full_server_many_clients_changing_cluster(
     tmp_path: Path, grpcio_stubs: GrpcioStubs
 ) -> None:

@@ -254,6 +254,7 @@ GRPCIO_3S = {
 }
 
 
+@pytest.mark.slow
 async def test_keepalive_holds_quiet_connections_30s_and_silence_meets_the_idle_rule(
     go_peer: Path, grpc_clients: GrpcioClients
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 
 import grpc
+import pytest
 import trio
 from rpc import make_job, open_jobsignal_server, wait_until
 
@@ -90,6 +91,7 @@ async def test_shutdown_ends_the_stream_and_sends_goaway(js_peer: list[str]) -> 
 HOLD = 14.0  # past the fourth 3 s ping: a 4 s policy would have sent GOAWAY by now
 
 
+@pytest.mark.slow
 async def test_keepalive_every_3s_holds_14s_with_and_without_a_stream(
     js_peer: list[str],
 ) -> None:

@@ -779,6 +779,7 @@ async def settle_after_round(server: ServerHarness, good: GoodClient, last_refus
     await assert_back_to_baseline(server, live=1)
 
 
+@pytest.mark.slow
 async def test_memory_and_descriptors_return_to_baseline_after_abuse(
     grpcio_stubs: GrpcioStubs, caplog: pytest.LogCaptureFixture
 ) -> None:
