@@ -151,14 +151,42 @@ async def test_certificate_rotation_keeps_live_streams(
             channel.close()
 
 
-async def test_a_broken_rotation_keeps_the_old_certificate(tmp_path: Path) -> None:
+def certificate_serial(cert: trustme.LeafCert) -> int:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(cert.cert_chain_pems[0].bytes()).serial_number
+
+
+async def test_a_broken_rotation_keeps_the_old_certificate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     pki = Pki(tmp_path)
     settings = local_settings(tls=pki.files(mutual=False), tls_reload_interval=0.05)
     async with open_jobsignal_server(settings) as server:
-        before = await in_thread(served_certificate_serial, server.port, pki.server_ca)
+
+        async def served() -> int:
+            return await in_thread(served_certificate_serial, server.port, pki.server_ca)
+
+        # A good rotation is served: the reloader runs, so what follows can fail.
+        first = await served()
+        good = pki.server_ca.issue_cert("localhost", "127.0.0.1")
+        write_pair(good, tmp_path, "server")
+        with trio.fail_after(5):
+            while (serial := await served()) == first:
+                await trio.sleep(0.05)
+        assert serial == certificate_serial(good)
+
+        # A broken one: a key that does not load, then a new certificate (the key
+        # first, so no moment has a loadable pair).
         pki.server_key.write_text("-----BEGIN PRIVATE KEY-----\ngarbage\n")
-        await trio.sleep(0.3)
-        assert await in_thread(served_certificate_serial, server.port, pki.server_ca) == before
+        newer = pki.server_ca.issue_cert("localhost", "127.0.0.1")
+        newer.cert_chain_pems[0].write_to_path(str(pki.server_cert))
+        caplog.clear()
+        await wait_until(
+            lambda: "TLS reload failed" in caplog.text, what="the reload of the broken files"
+        )
+        # Still the last good certificate: not the first one, not the broken new one.
+        assert await served() == certificate_serial(good)
 
 
 def test_tls_settings_are_checked_at_start(tmp_path: Path) -> None:
