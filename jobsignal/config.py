@@ -422,6 +422,9 @@ SUBSCRIBE_SETTINGS: tuple[Setting, ...] = _in_groups(
 
 @dataclass(frozen=True)
 class Config:
+    """Every `serve` setting, validated: one field per row of SERVE_SETTINGS, built by
+    `load_config` (flags, environment, defaults) or `configure` (keywords, defaults)."""
+
     listen: tuple[tuple[str, int], ...]
     tls_cert: str
     tls_key: str
