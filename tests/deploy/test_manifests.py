@@ -792,7 +792,8 @@ def test_label_check_catches_a_missing_label_and_an_unstable_selector() -> None:
         _check_labels(objects, "without part-of")
     objects = copy.deepcopy(INSTALLS[_rel(KUBE / "base")])
     deployment = next(o for o in objects if o["kind"] == "Deployment")
-    deployment["spec"]["selector"]["matchLabels"]["app.kubernetes.io/version"] = "0.1.0"
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    selector["app.kubernetes.io/version"] = jobsignal.__version__
     with pytest.raises(AssertionError, match="version"):
         _check_labels(objects, "version in a selector")
 
