@@ -212,13 +212,14 @@ def send_now(stream: ServerStream, data: memoryview) -> int:
     return size
 
 
-async def send_waiting(stream: ServerStream, data: bytes) -> None:
-    """Send `data` on the stream, waiting for flow control as needed (grpclib splits it by
-    window and frame size); sends the response headers first if they are not sent yet."""
-    if not stream._send_initial_metadata_done:
-        await stream.send_initial_metadata()
-    await stream._stream.send_data(data)
-    stream._send_message_done = True
+def stream_closed(stream: ServerStream) -> bool:
+    """Whether HTTP/2 will take no more data on this stream (it or its connection ended)."""
+    h2_stream = stream._stream
+    if h2_stream.connection.is_closing():
+        return True
+    stream_id = h2_stream.id
+    state = h2_stream._h2_connection.streams.get(stream_id) if stream_id is not None else None
+    return state is None or bool(state.closed)
 
 
 # -- grpclib's event processing ------------------------------------------------------------------

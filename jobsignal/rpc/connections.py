@@ -36,7 +36,14 @@ import grpclib.server
 import trio
 from grpclib.protocol import Connection, H2Protocol
 from h2.errors import ErrorCodes
-from h2.events import Event, PingReceived, RemoteSettingsChanged, RequestReceived, StreamReset
+from h2.events import (
+    Event,
+    PingReceived,
+    RemoteSettingsChanged,
+    RequestReceived,
+    StreamReset,
+    WindowUpdated,
+)
 from h2.exceptions import ProtocolError, StreamClosedError
 
 from jobsignal.logs import RateLimitedLog
@@ -44,6 +51,7 @@ from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.guard import ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.limits import ConnectionCounter, Limits
+from jobsignal.rpc.output import ConnectionOutput
 from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
@@ -122,35 +130,9 @@ class ConnectionTable:
             protocol.goaway(ErrorCodes.NO_ERROR, b"shutdown")
 
 
-class OutputFlusher:
-    """Writes a connection's queued HTTP/2 frames once per event-loop turn.
-
-    Every stream that writes in the same turn shares the one system call (a
-    publish to many subscribers of one connection is one write). It holds
-    grpclib's Connection, not the protocol, so finished streams that still
-    reference it keep no protocol alive.
-    """
-
-    __slots__ = ("_connection", "_scheduled")
-
-    def __init__(self, connection: Connection) -> None:
-        self._connection = connection
-        self._scheduled = False
-
-    def schedule(self) -> None:
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._scheduled = False
-        if not self._connection.is_closing():
-            self._connection.flush()
-
-
 class ObservedH2Protocol(H2Protocol):
     activity: ConnectionActivity
-    output: OutputFlusher
+    output: ConnectionOutput
 
     def __init__(self, base: H2Protocol, table: ConnectionTable) -> None:
         super().__init__(base.handler, base.config, base.h2_config)
@@ -175,7 +157,7 @@ class ObservedH2Protocol(H2Protocol):
         self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.activity = ConnectionActivity(self._table.ping_policy, self.peer, self.ip)
-        self.output = OutputFlusher(self.connection)
+        self.output = ConnectionOutput(self.connection)
         self.budget = ConnectionBudget(self._limits, trio.current_time())
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(
@@ -274,13 +256,17 @@ class ObservedH2Protocol(H2Protocol):
             self.processor.close(reason=f"protocol error: {error}")
             return
         self.connection.flush()
+        window_may_have_opened = False
         for event in events:
             if isinstance(event, RemoteSettingsChanged) and self._handshake_timer is not None:
                 self._handshake_timer.cancel()
                 self._handshake_timer = None
+            window_may_have_opened |= isinstance(event, WindowUpdated | RemoteSettingsChanged)
             self._process(event)
             if self.connection.is_closing():
                 return
+        if window_may_have_opened:
+            self.output.pump()
         self.connection.flush()
 
     def _process(self, event: Event) -> None:
@@ -304,6 +290,7 @@ class ObservedH2Protocol(H2Protocol):
             self._stall_timer.cancel()
             self._stall_timer = None
         self._update_reading()
+        self.output.pump()
 
     def _update_reading(self) -> None:
         """Read from the peer only while it reads from us and its input is handled."""

@@ -6,14 +6,13 @@ in the subscriber's trio task: what HTTP/2 lets go at once (headers sent,
 socket writable, flow-control window open) is queued straight into h2,
 without the trio->asyncio hop that dominates the cost of small batches, at
 most `WRITE_SLICE` bytes per loop turn, so one large rank table cannot hold
-the loop while other streams wait. Whatever has to wait goes through grpclib
-on the asyncio side (one hop). The HTTP/2 internals both need are in
-`rpc._grpclib`.
+the loop while other streams wait. Whatever has to wait goes out in turn with
+the connection's other waiting streams (`rpc.output`), with no asyncio hop
+either. The HTTP/2 internals both need are in `rpc._grpclib`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import grpclib.server
@@ -21,6 +20,7 @@ import trio
 import trio_asyncio
 
 from jobsignal.rpc import _grpclib
+from jobsignal.rpc.output import ConnectionOutput
 
 Stream = grpclib.server.Stream[Any, Any]
 
@@ -38,13 +38,11 @@ def frame(frames: list[bytes]) -> bytes:
 
 
 class StreamWriter:
-    """Writes one server stream's batches; `flush` writes its connection's output
-    once per loop turn (`rpc.connections.OutputFlusher.schedule`)."""
+    """Writes one server stream's batches through its connection's output."""
 
-    def __init__(self, stream: Stream, flush: Callable[[], None]) -> None:
+    def __init__(self, stream: Stream, output: ConnectionOutput) -> None:
         self._stream = stream
-        self._flush = flush
-        self._send_waiting = trio_asyncio.aio_as_trio(_grpclib.send_waiting)
+        self._output = output
         self._send_headers = trio_asyncio.aio_as_trio(stream.send_initial_metadata)
 
     async def write(self, frames: list[bytes]) -> bool:
@@ -54,18 +52,19 @@ class StreamWriter:
             await self._send_headers()
         data = memoryview(frame(frames))
         sent = 0
-        # The slices are never waited for, so they are shielded: a stream
-        # cancelled mid-message must not leave a truncated message behind.
-        with trio.CancelScope(shield=True):
-            while sent < len(data):
-                if sent:
-                    await trio.lowlevel.checkpoint()
-                queued = _grpclib.send_now(self._stream, data[sent : sent + WRITE_SLICE])
-                if not queued:
-                    break
-                sent += queued
-                self._flush()
+        if not self._output.has_waiting:  # never overtake streams waiting their turn
+            # The slices are never waited for, so they are shielded: a stream
+            # cancelled mid-message must not leave a truncated message behind.
+            with trio.CancelScope(shield=True):
+                while sent < len(data):
+                    if sent:
+                        await trio.lowlevel.checkpoint()
+                    queued = _grpclib.send_now(self._stream, data[sent : sent + WRITE_SLICE])
+                    if not queued:
+                        break
+                    sent += queued
+                    self._output.schedule_flush()
         if sent == len(data):
             return True
-        await self._send_waiting(self._stream, bytes(data[sent:]))
+        await self._output.send_in_turn(self._stream, data[sent:])
         return False

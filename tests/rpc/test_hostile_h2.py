@@ -634,3 +634,43 @@ def _data_on(peer: RawPeer, stream_id: int) -> int:
     return sum(
         len(f.data) for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == stream_id
     )
+
+
+async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> None:
+    """Two streams with a large message each, the connection's window opened a
+    little at a time: both progress together; neither waits for the other's
+    whole message."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        # Stream windows wide open; the connection's own window stays at 64 KiB.
+        await peer.handshake(initial_window_size=2**30)
+        ids = []
+        for stream_id in (1, 3):
+            await peer.send(
+                peer.headers_frame(stream_id, grpc_request_headers(server.port)),
+                DataFrame(stream_id, register_body(), flags=["END_STREAM"]),
+            )
+            await peer.read_until(lambda p, s=stream_id: s in p.ended_streams())
+            reply = [
+                f for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == stream_id
+            ]
+            ids.append(_client_id_of(reply[0].data))
+        path = "/job.Job/SubscribeJobSummarySignal"
+        for stream_id, client_id in zip((5, 7), ids, strict=True):
+            message = bytes(ClientInfo(role="CCAgent", client_id=client_id))
+            body = b"\x00" + len(message).to_bytes(4, "big") + message
+            await peer.send(
+                peer.headers_frame(stream_id, grpc_request_headers(server.port, path)),
+                DataFrame(stream_id, body, flags=["END_STREAM"]),
+            )
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 2, within=WAIT)
+        big = make_job(1, npus=4_000)  # about 290 KB to each stream
+        server.broadcaster.publish([big])
+        await peer.read_until(lambda p: _data_on(p, 5) + _data_on(p, 7) >= 60_000)
+        start = {s: _data_on(peer, s) for s in (5, 7)}
+        granted = 256 * 1024  # less than either message still needs
+        await peer.send(WindowUpdateFrame(0, window_increment=granted))
+        # The window is counted in payload bytes: exactly this much more arrives.
+        await peer.read_until(lambda p: sum(_data_on(p, s) - start[s] for s in start) >= granted)
+        got = {s: _data_on(peer, s) - start[s] for s in start}
+        # Served in turn, 16 KiB a round: about half each (one stream first would get it all).
+        assert min(got.values()) >= 96 * 1024, got

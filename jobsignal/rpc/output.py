@@ -1,0 +1,123 @@
+"""One connection's output: writes coalesced per loop turn, waiting streams served in turn.
+
+Every stream that writes in the same loop turn shares one system call (a
+publish to many subscribers of one connection is one write). Streams that
+must wait for HTTP/2 flow control (the connection's window, their own, or a
+socket the peer does not read) queue here and are served round-robin, at
+most `QUANTUM` bytes each per round and `TURN_BUDGET` bytes per loop turn,
+whenever the peer opens a window: a stream with a large backlog cannot take
+the whole window while its neighbours wait, and none waits behind another's
+whole message. The waiting needs no asyncio: it is a trio Event set from the
+protocol's event handling, which runs on the same thread.
+
+It holds grpclib's Connection, not the protocol, so finished streams that
+still reference it keep no protocol alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpclib.server
+import trio
+from grpclib.exceptions import StreamTerminatedError
+from grpclib.protocol import Connection
+
+from jobsignal.rpc import _grpclib
+
+Stream = grpclib.server.Stream[Any, Any]
+
+# Bytes a waiting stream gets per round: one default-sized DATA frame.
+QUANTUM = 16 * 1024
+# Bytes all waiting streams of one connection get per loop turn.
+TURN_BUDGET = 256 * 1024
+
+
+@dataclass(eq=False)
+class _Waiting:
+    stream: Stream
+    data: memoryview
+    sent: int = 0
+    closed: bool = False
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+class ConnectionOutput:
+    __slots__ = ("_connection", "_flush_scheduled", "_pump_scheduled", "_waiting")
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._flush_scheduled = False
+        self._pump_scheduled = False
+        self._waiting: deque[_Waiting] = deque()
+
+    @property
+    def has_waiting(self) -> bool:
+        """Streams are waiting their turn: a new write must queue behind them."""
+        return bool(self._waiting)
+
+    def schedule_flush(self) -> None:
+        """Write the connection's queued frames at the end of this loop turn."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._connection.is_closing():
+            self._connection.flush()
+
+    async def send_in_turn(self, stream: Stream, data: memoryview) -> None:
+        """Send `data` on `stream`, taking turns with the connection's other waiting streams."""
+        entry = _Waiting(stream, data)
+        self._waiting.append(entry)
+        self.pump()
+        try:
+            await entry.done.wait()
+        finally:
+            if not entry.done.is_set():
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(entry)
+        if entry.closed:
+            raise StreamTerminatedError("the stream closed while its data waited")
+
+    def pump(self) -> None:
+        """Serve the waiting streams round-robin while HTTP/2 lets data go.
+
+        Called when a stream starts waiting and whenever the peer may have
+        opened a window (WINDOW_UPDATE, SETTINGS, a socket writable again).
+        """
+        budget = TURN_BUDGET
+        stalled = 0  # consecutive streams that could send nothing
+        while self._waiting and stalled < len(self._waiting) and budget > 0:
+            entry = self._waiting.popleft()
+            if _grpclib.stream_closed(entry.stream):
+                entry.closed = True
+                entry.done.set()
+                continue
+            end = entry.sent + min(QUANTUM, budget)
+            queued = _grpclib.send_now(entry.stream, entry.data[entry.sent : end])
+            if queued:
+                stalled = 0
+                budget -= queued
+                entry.sent += queued
+                if entry.sent == len(entry.data):
+                    entry.done.set()
+                    continue
+            else:
+                stalled += 1
+            self._waiting.append(entry)
+        if budget < TURN_BUDGET:
+            self.schedule_flush()
+        if budget <= 0 and self._waiting and not self._pump_scheduled:
+            # The rest next turn: other connections and tasks get the loop first.
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump_again)
+
+    def _pump_again(self) -> None:
+        self._pump_scheduled = False
+        self.pump()
