@@ -13,6 +13,7 @@ a test do: ignore SETTINGS, reset streams before they start, never read.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -649,7 +650,7 @@ async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> 
                 peer.headers_frame(stream_id, grpc_request_headers(server.port)),
                 DataFrame(stream_id, register_body(), flags=["END_STREAM"]),
             )
-            await peer.read_until(lambda p, s=stream_id: s in p.ended_streams())
+            await peer.read_until(functools.partial(_has_ended, stream_id=stream_id))
             reply = [
                 f for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == stream_id
             ]
@@ -674,3 +675,7 @@ async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> 
         got = {s: _data_on(peer, s) - start[s] for s in start}
         # Served in turn, 16 KiB a round: about half each (one stream first would get it all).
         assert min(got.values()) >= 96 * 1024, got
+
+
+def _has_ended(peer: RawPeer, *, stream_id: int) -> bool:
+    return stream_id in peer.ended_streams()
