@@ -73,12 +73,14 @@ def build_go_programs(
     *,
     import_root: str,
     who: str,
+    libraries: Mapping[str, Path] | None = None,
     gocode: Path = GOCODE,
 ) -> dict[str, Path]:
     """Build each `programs[name]` (a main.go) as `build_dir/bin/name`; their paths.
 
-    The programs import the stubs as `<import_root>/job`. `who` names the
-    programs in the missing-packages message ("the grpc-go interop peer").
+    The programs import the stubs as `<import_root>/job`, and each of
+    `libraries` (a folder of .go files) as `<import_root>/<name>`. `who` names
+    the programs in the missing-packages message ("the grpc-go interop peer").
     """
     missing = missing_go_packages(gocode)
     if missing:
@@ -110,6 +112,10 @@ def build_go_programs(
         env,
         "protoc (Go stubs)",
     )
+    for name, folder in (libraries or {}).items():
+        (package_dir / name).mkdir(exist_ok=True)
+        for source in folder.glob("*.go"):
+            shutil.copy(source, package_dir / name / source.name)
     binaries: dict[str, Path] = {}
     for name, source in programs.items():
         (package_dir / name).mkdir(exist_ok=True)

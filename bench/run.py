@@ -41,6 +41,8 @@ GO_SOURCES = {
     "loadgen": Path(__file__).resolve().parent / "go" / "loadgen" / "main.go",
     "reference": Path(__file__).resolve().parent / "go" / "reference" / "main.go",
 }
+# Go packages the programs share (the child-process contract of bench/common.py).
+GO_LIBRARIES = {"childproc": Path(__file__).resolve().parent / "go" / "childproc"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # The attacks of the under-attack scenario, in the order they run (bench/attacker.py).
 ATTACKS = (
@@ -298,6 +300,7 @@ class Bench:
                 self.work / "go",
                 GO_SOURCES,
                 import_root="jobsignalbench",
+                libraries=GO_LIBRARIES,
                 who="the benchmark's Go load generator and reference server",
             )
         return self._go

@@ -23,10 +23,8 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -42,6 +40,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"jobsignalbench/childproc"
 	pb "jobsignalbench/job"
 )
 
@@ -263,58 +262,6 @@ func (l *load) handle(command map[string]interface{}) map[string]interface{} {
 	return map[string]interface{}{"error": fmt.Sprintf("unknown command %q", name)}
 }
 
-// -- the child-process contract (bench/common.py) -------------------------------------
-
-var outputLock sync.Mutex
-
-func emit(payload map[string]interface{}) {
-	line, err := json.Marshal(payload)
-	if err != nil {
-		line, _ = json.Marshal(map[string]interface{}{"error": err.Error()})
-	}
-	outputLock.Lock()
-	os.Stdout.Write(append(line, '\n'))
-	outputLock.Unlock()
-}
-
-// stopByItself ends the process at its deadline or when its parent is gone.
-func stopByItself(deadline time.Duration) {
-	time.AfterFunc(deadline, func() {
-		fmt.Fprintf(os.Stderr, "bench child %d: deadline of %v passed, exiting\n", os.Getpid(), deadline)
-		os.Exit(3)
-	})
-	parent := os.Getppid()
-	go func() {
-		for range time.Tick(500 * time.Millisecond) {
-			if os.Getppid() != parent {
-				os.Exit(3)
-			}
-		}
-	}()
-	var limit syscall.Rlimit
-	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &limit) == nil && limit.Cur < limit.Max {
-		limit.Cur = limit.Max
-		syscall.Setrlimit(syscall.RLIMIT_NOFILE, &limit)
-	}
-}
-
-func answerCommands(handle func(map[string]interface{}) map[string]interface{}) {
-	scanner := bufio.NewScanner(os.Stdin)
-	scanner.Buffer(make([]byte, 1<<16), 1<<20)
-	for scanner.Scan() {
-		line := scanner.Bytes()
-		if len(line) == 0 {
-			continue
-		}
-		var command map[string]interface{}
-		if err := json.Unmarshal(line, &command); err != nil {
-			emit(map[string]interface{}{"error": err.Error()})
-			continue
-		}
-		emit(handle(command))
-	}
-}
-
 func main() {
 	l := &load{errors: map[string]int{}}
 	var deadline float64
@@ -330,11 +277,11 @@ func main() {
 		fmt.Fprintln(os.Stderr, "loadgen: -target, -count >= 1, -sample-every >= 1, -concurrency >= 1")
 		os.Exit(2)
 	}
-	stopByItself(time.Duration(deadline * float64(time.Second)))
+	childproc.StopByItself(time.Duration(deadline * float64(time.Second)))
 	l.received = make([]int64, l.count)
 	conns := l.start()
-	emit(map[string]interface{}{"ready": true, "pid": os.Getpid()})
-	answerCommands(l.handle)
+	childproc.Emit(map[string]interface{}{"ready": true, "pid": os.Getpid()})
+	childproc.AnswerCommands(l.handle)
 	for _, conn := range conns {
 		conn.Close()
 	}

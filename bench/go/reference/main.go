@@ -19,7 +19,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/json"
@@ -32,13 +31,13 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"jobsignalbench/childproc"
 	pb "jobsignalbench/job"
 )
 
@@ -281,58 +280,6 @@ func (d *driver) handle(command map[string]interface{}) map[string]interface{} {
 	return map[string]interface{}{"error": fmt.Sprintf("unknown command %q", name)}
 }
 
-// -- the child-process contract (bench/common.py) -------------------------------------
-
-var outputLock sync.Mutex
-
-func emit(payload map[string]interface{}) {
-	line, err := json.Marshal(payload)
-	if err != nil {
-		line, _ = json.Marshal(map[string]interface{}{"error": err.Error()})
-	}
-	outputLock.Lock()
-	os.Stdout.Write(append(line, '\n'))
-	outputLock.Unlock()
-}
-
-// stopByItself ends the process at its deadline or when its parent is gone.
-func stopByItself(deadline time.Duration) {
-	time.AfterFunc(deadline, func() {
-		fmt.Fprintf(os.Stderr, "bench child %d: deadline of %v passed, exiting\n", os.Getpid(), deadline)
-		os.Exit(3)
-	})
-	parent := os.Getppid()
-	go func() {
-		for range time.Tick(500 * time.Millisecond) {
-			if os.Getppid() != parent {
-				os.Exit(3)
-			}
-		}
-	}()
-	var limit syscall.Rlimit
-	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &limit) == nil && limit.Cur < limit.Max {
-		limit.Cur = limit.Max
-		syscall.Setrlimit(syscall.RLIMIT_NOFILE, &limit)
-	}
-}
-
-func answerCommands(handle func(map[string]interface{}) map[string]interface{}) {
-	scanner := bufio.NewScanner(os.Stdin)
-	scanner.Buffer(make([]byte, 1<<16), 1<<20)
-	for scanner.Scan() {
-		line := scanner.Bytes()
-		if len(line) == 0 {
-			continue
-		}
-		var command map[string]interface{}
-		if err := json.Unmarshal(line, &command); err != nil {
-			emit(map[string]interface{}{"error": err.Error()})
-			continue
-		}
-		emit(handle(command))
-	}
-}
-
 func loadJobs(path string) ([]*pb.JobSummarySignal, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -366,7 +313,7 @@ func main() {
 	flag.IntVar(&buffer, "buffer", 10, "messages buffered per subscriber (ClusterD: 10)")
 	flag.Float64Var(&deadline, "deadline", 600, "seconds until the process exits, whatever it is doing")
 	flag.Parse()
-	stopByItself(time.Duration(deadline * float64(time.Second)))
+	childproc.StopByItself(time.Duration(deadline * float64(time.Second)))
 	jobs, err := loadJobs(jobsFile)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "reference: %v\n", err)
@@ -386,10 +333,10 @@ func main() {
 	pb.RegisterJobServer(grpcServer, s)
 	go grpcServer.Serve(listener)
 	d := &driver{server: s, jobs: jobs}
-	emit(map[string]interface{}{
+	childproc.Emit(map[string]interface{}{
 		"ready": true, "port": listener.Addr().(*net.TCPAddr).Port, "pid": os.Getpid(),
 	})
-	answerCommands(d.handle)
+	childproc.AnswerCommands(d.handle)
 	if d.stop != nil {
 		close(d.stop)
 	}
