@@ -89,6 +89,10 @@ class ConnectionTable:
         self.protocol_limits = protocol_limits or ProtocolLimits()
         self.counter = ConnectionCounter(self.limits)
         self._protocols: dict[Connection, ObservedH2Protocol] = {}
+        # Every connection with an open transport, refused ones included: the
+        # server closes all of them when it stops, or their sockets would leak.
+        self._open: set[ObservedH2Protocol] = set()
+        self.closing = False
         # Connections the server closed on a peer's misbehaviour, by reason.
         self.closed_by_server: Counter[str] = Counter()
         self.streams_refused = 0
@@ -125,9 +129,28 @@ class ConnectionTable:
         if protocol is not None:
             asyncio.get_running_loop().call_soon(protocol.goaway_if_unused)
 
+    @property
+    def open_transports(self) -> int:
+        """Connections whose transport is not closed yet (refused ones included)."""
+        return len(self._open)
+
+    def opened(self, protocol: ObservedH2Protocol) -> None:
+        self._open.add(protocol)
+
+    def lost(self, protocol: ObservedH2Protocol) -> None:
+        self._open.discard(protocol)
+
     def close_all(self) -> None:
-        for protocol in self.protocols():
+        """GOAWAY every connection, refused ones too; one that connects after this
+        is closed at once (asyncio may still hand over a socket it accepted)."""
+        self.closing = True
+        for protocol in list(self._open):
             protocol.goaway(ErrorCodes.NO_ERROR, b"shutdown")
+
+    def abort_all(self) -> None:
+        """Drop every connection still open, with whatever it has not read."""
+        for protocol in list(self._open):
+            protocol.abort()
 
 
 class ObservedH2Protocol(H2Protocol):
@@ -146,6 +169,7 @@ class ObservedH2Protocol(H2Protocol):
         self._write_blocked = False
         self._reading_paused = False
         self._refusal: str | None = None
+        self._counted = False  # admitted: in the counter and the table until lost
         self.ip = self.peer = "unknown"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -153,6 +177,10 @@ class ObservedH2Protocol(H2Protocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._transport = transport
+        self._table.opened(self)
+        if self._table.closing:
+            self.abort()
+            return
         peer = transport.get_extra_info("peername")
         self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -187,6 +215,7 @@ class ObservedH2Protocol(H2Protocol):
             )
             return
         self._table.counter.opened(self.ip)
+        self._counted = True
         _grpclib.set_event_handler(self.processor, PingReceived, self._ping_received)
         _grpclib.set_event_handler(self.processor, RequestReceived, self._request_received)
         _grpclib.set_event_handler(self.processor, StreamReset, self._stream_reset)
@@ -199,7 +228,8 @@ class ObservedH2Protocol(H2Protocol):
                 timer.cancel()
         self._linger = self._handshake_timer = self._stall_timer = None
         self._input.clear()
-        if self._refusal is None:
+        self._table.lost(self)
+        if self._counted:
             self._table.counter.closed(self.ip)
             self._table.discard(self)
         super().connection_lost(exc)
@@ -385,6 +415,10 @@ class ObservedH2Protocol(H2Protocol):
             self._limits.write_stall_timeout,
         )
         # Nothing more can be written to it: drop what is buffered.
+        self.abort()
+
+    def abort(self) -> None:
+        """Close the transport now, dropping what the peer has not read."""
         self._transport.abort()
 
     def goaway_if_unused(self) -> None:

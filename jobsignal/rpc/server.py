@@ -4,7 +4,8 @@
 address once the port accepts connections, serves until `shutdown` is set,
 then stops in the order docs/architecture.md section 8 explains: end every live stream
 with UNAVAILABLE "server shutting down", give them the grace period to
-flush, close the server, then close any connection still open.
+flush, close the server, then close every connection still open (refused ones too),
+and at the end of the grace period drop those whose peer has not read its GOAWAY.
 """
 
 from __future__ import annotations
@@ -218,6 +219,10 @@ async def run_grpc_server(
             running.stopped.set()
 
 
+# Seconds asyncio gets to close the transports aborted at the end of the stop.
+ABORT_WAIT = 1.0
+
+
 async def _stop(
     server: JobsignalServer,
     listeners: list[asyncio.Server],
@@ -241,4 +246,16 @@ async def _stop(
         await trio_asyncio.aio_as_trio(server.wait_closed)()
         for listener in listeners[1:]:  # grpclib waits for the first only
             await trio_asyncio.aio_as_trio(listener.wait_closed)()
+        await _wait_transports_closed(connections)
+    # A peer that does not read keeps its transport open with the GOAWAY unsent,
+    # and the asyncio loop ends with the server: drop those connections now.
+    connections.abort_all()
+    with trio.move_on_after(ABORT_WAIT):
+        await _wait_transports_closed(connections)
     log.info("gRPC server stopped")
+
+
+async def _wait_transports_closed(connections: ConnectionTable) -> None:
+    """Let asyncio run the closes it has scheduled, until every transport is closed."""
+    while connections.open_transports:
+        await trio_asyncio.aio_as_trio(asyncio.sleep)(0.01)

@@ -1,0 +1,102 @@
+"""The server's stop leaves no connection behind: refused ones and peers that do not
+read are closed too, so no socket or asyncio transport outlives the server's loop."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import trio
+from hyperframe.frame import DataFrame, WindowUpdateFrame
+
+from jobsignal._proto.job import ClientInfo
+from jobsignal.rpc.guard import ProtocolLimits
+from jobsignal.rpc.limits import Limits
+from jobsignal.rpc.session import SessionSettings
+
+from . import local_settings, make_job, open_jobsignal_server, wait_until
+from .test_hostile_h2 import _client_id_of, grpc_request_headers, raw_peer, register_body
+
+WAIT = 10.0
+
+
+def assert_nothing_leaked() -> None:
+    """A transport or socket the server forgot warns when it is collected."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+async def test_a_refused_connection_open_at_shutdown_is_closed() -> None:
+    settings = local_settings(limits=Limits(max_connections=1, max_connections_per_ip=1))
+    async with (
+        open_jobsignal_server(settings) as server,
+        raw_peer(server.port) as admitted,
+        raw_peer(server.port) as refused,
+    ):
+        await admitted.handshake()
+        await refused.handshake()
+        await wait_until(lambda: server.connections.counter.refused == 1, within=WAIT)
+        # The refused one lingers for its request (5 s); the server stops first.
+        await server.stop()
+        assert server.connections.open_transports == 0
+        await admitted.read_until(lambda p: False, within=2.0)
+        await refused.read_until(lambda p: False, within=2.0)
+        assert admitted.closed and refused.closed
+        assert admitted.goaway() is not None and refused.goaway() is not None
+    assert_nothing_leaked()
+
+
+async def test_a_peer_that_does_not_read_is_dropped_at_the_end_of_the_grace() -> None:
+    grace = 1.0
+    settings = local_settings(
+        shutdown_grace=grace,
+        # Longer than the test: only the stop may close it.
+        protocol_limits=ProtocolLimits(write_stall_timeout=600.0),
+        session=SessionSettings(send_timeout=600.0),
+    )
+    async with (
+        open_jobsignal_server(settings) as server,
+        raw_peer(server.port, receive_buffer=4096) as peer,
+    ):
+        await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
+        await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
+        await peer.send(
+            peer.headers_frame(1, grpc_request_headers(server.port)),
+            DataFrame(1, register_body("DefaultUser1"), flags=["END_STREAM"]),
+        )
+        await peer.read_until(lambda p: 1 in p.ended_streams())
+        reply = b"".join(
+            f.data for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == 1
+        )
+        message = bytes(ClientInfo(role="DefaultUser1", client_id=_client_id_of(reply)))
+        path = "/job.Job/SubscribeJobSummarySignal"
+        await peer.send(
+            peer.headers_frame(3, grpc_request_headers(server.port, path)),
+            DataFrame(3, b"\x00" + len(message).to_bytes(4, "big") + message, flags=["END_STREAM"]),
+        )
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
+        # The peer reads nothing from here on; big events fill its socket.
+        (protocol,) = server.connections.protocols()
+        for i in range(40):
+            server.broadcaster.publish([make_job(i, npus=2048)])
+            await trio.sleep(0.01)
+        await wait_until(lambda: protocol._write_blocked, within=WAIT)
+        started = trio.current_time()
+        await server.stop()
+        stopped_after = trio.current_time() - started
+        assert server.connections.open_transports == 0
+        assert stopped_after < grace + 2.0
+        # Dropped: the socket reads whatever was buffered, then the end.
+        with trio.fail_after(WAIT):
+            while await receive_or_reset(peer.stream):
+                pass
+    assert_nothing_leaked()
+
+
+async def receive_or_reset(stream: trio.SocketStream) -> bytes:
+    try:
+        return await stream.receive_some(1 << 20)
+    except trio.BrokenResourceError:  # aborted: the server's kernel sent RST
+        return b""
