@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,11 +35,12 @@ from bench.common import (
     MAX_CLIENTS,
     MAX_MESSAGE_BYTES,
     ROLES,
+    answer_commands_on_asyncio,
     emit,
     flood_batch,
     load_stubs,
     queue_level,
-    setup_child,
+    run_child,
 )
 from bench.events import make_jobs, signal_fields
 
@@ -173,12 +172,7 @@ class Runner:
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         emit({"ready": True, "port": port, "pid": os.getpid()})
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        while line := await reader.readline():
-            if line.strip():
-                emit(self.handle(json.loads(line)))
+        await answer_commands_on_asyncio(self.handle)
         await server.stop(grace=2.0)
 
     def handle(self, command: dict[str, Any]) -> dict[str, Any]:
@@ -243,10 +237,7 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--large-servers", type=int, default=0)
     parser.add_argument("--max-pending", type=int, default=1024)
-    parser.add_argument("--deadline", type=float, default=600.0)
-    args = parser.parse_args()
-    setup_child(args.deadline)
-    asyncio.run(Runner(args).main())
+    run_child(parser, lambda args: asyncio.run(Runner(args).main()))
 
 
 if __name__ == "__main__":
