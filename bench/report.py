@@ -13,20 +13,6 @@ from bench.profiling import ProfileSummary, summarize_cprofile, summarize_speeds
 REPORT_NAME = "REPORT.md"
 FINDINGS = Path(__file__).resolve().parent / "FINDINGS.md"
 
-# Row labels of the summary table, one per scenario (the smoke test checks them).
-SCENARIO_ROWS = (
-    "Fan-out",
-    "Latency",
-    "End to end",
-    "Memory",
-    "Large job",
-    "Ingest",
-    "Slow clients",
-    "Under attack",
-    "Big and small",
-    "Server-bound fan-out",
-    "Server-bound, one connection each",
-)
 # The server-bound scenarios (Go load generator), their summary labels, and the
 # names of their three servers.
 SERVER_BOUND = (
@@ -1407,4 +1393,4 @@ def write_report(results: dict[str, Any], out: Path) -> Path:
     return path
 
 
-__all__ = ["SCENARIO_ROWS", "write_report"]
+__all__ = ["write_report"]
