@@ -47,7 +47,7 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
-from bench.common import answer_commands, emit, setup_child
+from bench.common import answer_commands, emit, run_child
 from jobsignal._proto.job import ClientInfo, Status
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -562,10 +562,7 @@ def main() -> None:
     parser.add_argument(
         "--max-connections", type=int, default=20_000, help="connections per attack, at most"
     )
-    parser.add_argument("--deadline", type=float, default=600.0)
-    args = parser.parse_args()
-    setup_child(args.deadline)
-    trio.run(Attacker(args).main)
+    run_child(parser, lambda args: trio.run(Attacker(args).main))
 
 
 if __name__ == "__main__":

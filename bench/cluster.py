@@ -21,7 +21,7 @@ from typing import Any
 import trio
 import trio.lowlevel
 
-from bench.common import answer_commands, emit, setup_child
+from bench.common import answer_commands, emit, run_child
 from bench.events import clusterd_job
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
@@ -125,10 +125,7 @@ class Cluster:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--history", type=int, default=1_000_000)
-    parser.add_argument("--deadline", type=float, default=600.0)
-    args = parser.parse_args()
-    setup_child(args.deadline)
-    trio.run(Cluster(args).main)
+    run_child(parser, lambda args: trio.run(Cluster(args).main))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,16 @@ command line on stdin with exactly one JSON line. It stops by itself:
 - when stdin reaches end of file (the orchestrator closed it or died);
 - when its parent dies (Linux `PR_SET_PDEATHSIG`, SIGKILL);
 - when its hard deadline (`--deadline` seconds) passes, whatever it is doing.
+
+`run_child` gives a child its `--deadline` and those three ways to stop;
+`answer_commands` (trio) and `answer_commands_on_asyncio` (the grpc.aio
+processes) read the commands and write the replies.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
 import ctypes
 import importlib
@@ -44,6 +50,17 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 NAMESPACE = "bench"
 
 _PR_SET_PDEATHSIG = 1
+
+
+def run_child(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], object]) -> None:
+    """Parse a child's command line (`parser` plus `--deadline`), make the process
+    stop by itself (`setup_child`), then `run` it with the parsed arguments."""
+    parser.add_argument(
+        "--deadline", type=float, default=600.0, help="seconds until it exits, whatever it does"
+    )
+    args = parser.parse_args()
+    setup_child(args.deadline)
+    run(args)
 
 
 def setup_child(deadline: float) -> None:
@@ -164,3 +181,14 @@ async def answer_commands(handle: Callable[[dict[str, Any]], dict[str, Any]]) ->
             line, buffer = buffer.split(b"\n", 1)
             if line.strip():
                 emit(handle(json.loads(line)))
+
+
+async def answer_commands_on_asyncio(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """`answer_commands` for a child running on asyncio."""
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), sys.stdin
+    )
+    while line := await reader.readline():
+        if line.strip():
+            emit(handle(json.loads(line)))

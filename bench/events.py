@@ -12,9 +12,18 @@ import dataclasses
 import time
 from typing import Any
 
+from google.protobuf import message_factory
+
 from bench.common import NAMESPACE
+from jobsignal._proto.job import JobSummarySignal
+from jobsignal.fanout.encoding import encode_signal
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.store import JobStore, JobSummary
+
+# JobSummarySignal in the protobuf runtime, built from the descriptor of
+# jobsignal's generated code: it parses jobsignal's bytes and knows the field
+# names of job.proto ("jobId", "HcclJson", ...).
+_WIRE_SIGNAL = message_factory.GetMessageClass(JobSummarySignal.DESCRIPTOR)
 
 
 def clusterd_job(index: int, servers: int, servers_per_configmap: int = 1000) -> ClusterdJob:
@@ -67,20 +76,14 @@ def latency_ns(sid: str, arrival_ns: int) -> int | None:
 
 
 def signal_fields(job: JobSummary) -> dict[str, str]:
-    """The JobSummarySignal fields of `job` but uuid and sid, keyed by proto field name,
-    as jobsignal encodes them: what the Go reference server (bench/go) publishes."""
+    """The JobSummarySignal fields of `job` but uuid and sid, keyed by proto field name.
+
+    Read back from jobsignal's own encoding of the job, so they are what
+    jobsignal sends: the grpc.aio and grpc-go reference servers publish these.
+    """
+    parsed = _WIRE_SIGNAL.FromString(encode_signal(job, uuid=""))
     return {
-        "jobId": job.job_id,
-        "jobName": job.job_name,
-        "namespace": job.namespace,
-        "frameWork": job.framework,
-        "jobStatus": job.job_status,
-        "time": job.time,
-        "cmIndex": "0",
-        "total": job.total,
-        "HcclJson": job.hccl_json,
-        "deleteTime": job.delete_time,
-        "sharedTorIp": job.shared_tor_ip,
-        "masterAddr": job.master_addr,
-        "operator": job.operator,
+        field.name: getattr(parsed, field.name)
+        for field in parsed.DESCRIPTOR.fields
+        if field.name not in ("uuid", "sid")
     }

@@ -38,7 +38,7 @@ from bench.common import (
     emit,
     flood_batch,
     queue_level,
-    setup_child,
+    run_child,
 )
 from bench.events import latency_ns, make_jobs, stamped
 from jobsignal.app import run_source
@@ -420,10 +420,7 @@ def main() -> None:
     parser.add_argument("--max-pending", type=int, default=1024)
     parser.add_argument("--handshake-timeout", type=float, help="default: jobsignal's")
     parser.add_argument("--write-stall-timeout", type=float, help="default: jobsignal's")
-    parser.add_argument("--deadline", type=float, default=600.0)
-    args = parser.parse_args()
-    setup_child(args.deadline)
-    trio.run(Runner(args).main)
+    run_child(parser, lambda args: trio.run(Runner(args).main))
 
 
 if __name__ == "__main__":

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import sys
 import time
 from array import array
 from typing import Any
 
 import grpc
 
-from bench.common import MAX_MESSAGE_BYTES, ROLE, emit, load_stubs, setup_child
+from bench.common import (
+    MAX_MESSAGE_BYTES,
+    ROLE,
+    answer_commands_on_asyncio,
+    emit,
+    load_stubs,
+    run_child,
+)
 
 job_pb2, job_pb2_grpc = load_stubs()
 
@@ -122,12 +127,7 @@ class Load:
             asyncio.create_task(self.subscriber(index, gate)) for index in range(self.args.count)
         ]
         emit({"ready": True, "pid": os.getpid()})
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        while line := await reader.readline():
-            if line.strip():
-                emit(self.handle(json.loads(line)))
+        await answer_commands_on_asyncio(self.handle)
         for task in tasks:
             task.cancel()
         for channel in self.channels:
@@ -140,10 +140,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--stall", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=100)
-    parser.add_argument("--deadline", type=float, default=600.0)
-    args = parser.parse_args()
-    setup_child(args.deadline)
-    asyncio.run(Load(args).main())
+    run_child(parser, lambda args: asyncio.run(Load(args).main()))
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,35 +35,22 @@ from bench.common import (
     MAX_CLIENTS,
     MAX_MESSAGE_BYTES,
     ROLES,
+    answer_commands_on_asyncio,
     emit,
     flood_batch,
     load_stubs,
-    setup_child,
+    queue_level,
+    run_child,
 )
-from bench.events import make_jobs
+from bench.events import make_jobs, signal_fields
 
 job_pb2, job_pb2_grpc = load_stubs()
 
 
-def to_message(job: Any, sid: int) -> Any:
-    """A JobSummarySignal protobuf message for a jobsignal JobSummary."""
-    return job_pb2.JobSummarySignal(
-        uuid=str(uuid.uuid4()),
-        jobId=job.job_id,
-        jobName=job.job_name,
-        namespace=job.namespace,
-        frameWork=job.framework,
-        jobStatus=job.job_status,
-        time=job.time,
-        cmIndex="0",
-        total=job.total,
-        HcclJson=job.hccl_json,
-        deleteTime=job.delete_time,
-        sharedTorIp=job.shared_tor_ip,
-        masterAddr=job.master_addr,
-        operator=job.operator,
-        sid=str(sid),
-    )
+def to_message(fields: dict[str, str], sid: int) -> Any:
+    """A JobSummarySignal protobuf message: a job's fields (`signal_fields`), a
+    fresh uuid and the publish time in `sid`."""
+    return job_pb2.JobSummarySignal(uuid=str(uuid.uuid4()), sid=str(sid), **fields)
 
 
 class Subscription:
@@ -167,8 +152,12 @@ class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.servicer = JobServicer(args.max_pending)
-        self.jobs = make_jobs(args.jobs, args.servers)
-        self.large = make_jobs(1, args.large_servers)[0] if args.large_servers else None
+        self.jobs = [signal_fields(job) for job in make_jobs(args.jobs, args.servers)]
+        self.large: dict[str, str] | None = None
+        self.large_npus = 0
+        if args.large_servers:
+            (large,) = make_jobs(1, args.large_servers)
+            self.large, self.large_npus = signal_fields(large), large.npu_count
         self.driver: asyncio.Task[None] | None = None
 
     async def main(self) -> None:
@@ -183,12 +172,7 @@ class Runner:
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         emit({"ready": True, "port": port, "pid": os.getpid()})
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        while line := await reader.readline():
-            if line.strip():
-                emit(self.handle(json.loads(line)))
+        await answer_commands_on_asyncio(self.handle)
         await server.stop(grace=2.0)
 
     def handle(self, command: dict[str, Any]) -> dict[str, Any]:
@@ -214,7 +198,7 @@ class Runner:
         if name == "publish_large":
             assert self.large is not None, "start the runner with --large-servers"
             self.servicer.publish(to_message(self.large, time.time_ns()))
-            return {"ok": True, "npus": self.large.npu_count}
+            return {"ok": True, "npus": self.large_npus}
         return {"error": f"unknown command {name!r}"}
 
     async def flood(self, threshold: int, batch: int, quantile: float) -> None:
@@ -223,8 +207,7 @@ class Runner:
         index = 0
         while True:
             sample = itertools.islice(self.servicer.subscriptions, LEVEL_SAMPLE)
-            pending = sorted(s.queue.qsize() for s in sample)
-            level = pending[int(quantile * (len(pending) - 1))] if pending else 0
+            level = queue_level([s.queue.qsize() for s in sample], quantile)
             if level < threshold:
                 now = time.time_ns()
                 count = flood_batch(batch, len(self.servicer.subscriptions))
@@ -254,10 +237,7 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--large-servers", type=int, default=0)
     parser.add_argument("--max-pending", type=int, default=1024)
-    parser.add_argument("--deadline", type=float, default=600.0)
-    args = parser.parse_args()
-    setup_child(args.deadline)
-    asyncio.run(Runner(args).main())
+    run_child(parser, lambda args: asyncio.run(Runner(args).main()))
 
 
 if __name__ == "__main__":

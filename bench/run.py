@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from typing import Any
 from bench import gobuild, machine
 from bench.common import STUBS_ENV, generate_stubs
 from bench.events import make_jobs, signal_fields
-from bench.procs import REPO, Child, ChildError, CpuMeter, wait_for
+from bench.procs import REPO, Child, ChildError, CpuMeter, cpu_seconds, wait_for
 
 SERVERS = ("jobsignal", "reference")
 SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.reference_server"}
@@ -318,7 +319,7 @@ class Bench:
     ) -> Child:
         """One Go load generator with `count` subscribers over `connections` (0: one
         each); waits until the server has all of them."""
-        baseline = int(server.request({"cmd": "stats"})["subscribers"])
+        baseline = self.subscribers(server)
         client = self.child(
             "go-loadgen",
             "",
@@ -333,15 +334,7 @@ class Bench:
             executable=self.go_programs()["loadgen"],
         )
         children.append(client)
-
-        def subscribed() -> bool:
-            reply = client.request({"cmd": "count"})
-            if reply["failed"]:
-                raise ChildError(f"{client.name}: subscriptions failed: {reply['errors']}")
-            have = int(server.request({"cmd": "stats"})["subscribers"])
-            return have - baseline >= count
-
-        wait_for(subscribed, f"{count} subscriptions", timeout=30 + count / 50)
+        self.wait_subscribed(server, [client], baseline, count)
         return client
 
     def cluster(self, children: list[Child]) -> Child:
@@ -357,7 +350,7 @@ class Bench:
         sizes = self.sizes
         processes = min(count, max(sizes.min_clients, math.ceil(count / sizes.per_client)))
         target = f"127.0.0.1:{server.ready['port']}"
-        baseline = int(server.request({"cmd": "stats"})["subscribers"])
+        baseline = self.subscribers(server)
         started: list[Child] = []
         for index in range(processes):
             share = count // processes + (1 if index < count % processes else 0)
@@ -377,17 +370,29 @@ class Bench:
             started.append(client)
         for client in started:
             client.wait_ready()
+        self.wait_subscribed(server, started, baseline, count)
+        return started
+
+    @staticmethod
+    def subscribers(server: Child) -> int:
+        """How many subscribers the server has now."""
+        return int(server.request({"cmd": "stats"})["subscribers"])
+
+    def wait_subscribed(
+        self, server: Child, clients: list[Child], baseline: int, count: int
+    ) -> None:
+        """Wait until the server has `count` subscribers more than `baseline`;
+        ChildError as soon as one of the load generators `clients` reports a
+        failed subscription."""
 
         def subscribed() -> bool:
-            for client in started:
+            for client in clients:
                 reply = client.request({"cmd": "count"})
                 if reply["failed"]:
                     raise ChildError(f"{client.name}: subscriptions failed: {reply['errors']}")
-            have = int(server.request({"cmd": "stats"})["subscribers"])
-            return have - baseline >= count
+            return self.subscribers(server) - baseline >= count
 
         wait_for(subscribed, f"{count} subscriptions", timeout=30 + count / 50)
-        return started
 
     # -- measurements --------------------------------------------------------
 
@@ -402,32 +407,54 @@ class Bench:
         return total, stalled
 
     def delivery_windows(self, server: Child, clients: list[Child]) -> dict[str, list[float]]:
-        """Per window: delivered msg/s (reading subscribers), CPU of server and clients."""
+        """`windows` under the Python load generators `clients` (reading
+        subscribers only; the load generators' CPU from /proc)."""
+
+        def progress() -> tuple[int, float]:
+            return self.received(clients)[0], sum(cpu_seconds(client.pid) for client in clients)
+
+        return self.windows(server, progress, "client")
+
+    def loadgen_windows(self, server: Child, client: Child) -> dict[str, list[float]]:
+        """`windows` under the Go load generator `client` (its CPU from its own
+        getrusage)."""
+
+        def progress() -> tuple[int, float]:
+            reply = client.request({"cmd": "count"})
+            return int(reply["received"]), float(reply["cpu_seconds"])
+
+        return self.windows(server, progress, "loadgen")
+
+    def windows(
+        self, server: Child, progress: Callable[[], tuple[int, float]], prefix: str
+    ) -> dict[str, list[float]]:
+        """Per window: delivered msg/s, the server's CPU (/proc) and the load
+        generators' (under `{prefix}_...`), in cores and µs per delivered message.
+        `progress()` is what the load generators have received and the CPU seconds
+        they have used so far."""
         rows: dict[str, list[float]] = {
             "rate": [],
             "server_cpu": [],
-            "client_cpu": [],
             "us_per_msg": [],
-            "client_us_per_msg": [],
+            f"{prefix}_cpu": [],
+            f"{prefix}_us_per_msg": [],
         }
         for _ in range(self.sizes.reps):
-            server_meter = CpuMeter([server.pid])
-            client_meter = CpuMeter([client.pid for client in clients])
-            server_meter.start()
-            client_meter.start()
-            before, _ = self.received(clients)
+            meter = CpuMeter([server.pid])
+            meter.start()
+            received_before, cpu_before = progress()
             started = time.perf_counter()
             time.sleep(self.sizes.window)
-            after, _ = self.received(clients)
+            received_after, cpu_after = progress()
             elapsed = time.perf_counter() - started
-            server_cpu = server_meter.stop()[0]
-            client_cpu = sum(client_meter.stop())
-            rate = (after - before) / elapsed
+            server_cpu = meter.stop()[0]
+            rate = (received_after - received_before) / elapsed
+            client_cpu = (cpu_after - cpu_before) / elapsed
             rows["rate"].append(rate)
             rows["server_cpu"].append(server_cpu)
-            rows["client_cpu"].append(client_cpu)
             rows["us_per_msg"].append(server_cpu * 1e6 / rate if rate else math.nan)
-            rows["client_us_per_msg"].append(client_cpu * 1e6 / rate if rate else math.nan)
+            rows[f"{prefix}_cpu"].append(client_cpu)
+            rows[f"{prefix}_us_per_msg"].append(client_cpu * 1e6 / rate if rate else math.nan)
         return rows
 
     def latency_window(self, clients: list[Child], seconds: float) -> list[int]:
@@ -435,6 +462,27 @@ class Bench:
         self.reset_latencies(clients)
         time.sleep(seconds)
         return self.collect_latencies(clients)
+
+    def latency_windows(
+        self, clients: list[Child], seconds: float, pids: list[int]
+    ) -> tuple[dict[str, Any], list[list[float]]]:
+        """`reps` latency windows of `seconds`: the summary over all of them (with
+        each window's, `per_rep`, and a histogram), and the CPU (cores) of the
+        processes `pids` in each window."""
+        pooled: list[int] = []
+        per_rep = []
+        cpu = []
+        for _ in range(self.sizes.reps):
+            meter = CpuMeter(pids)
+            meter.start()
+            samples = self.latency_window(clients, seconds)
+            cpu.append(meter.stop())
+            per_rep.append(latency_summary(samples))
+            pooled += samples
+        summary = latency_summary(pooled)
+        summary["per_rep"] = per_rep
+        summary["histogram_ms"] = _histogram(pooled)
+        return summary, cpu
 
     @staticmethod
     def reset_latencies(clients: list[Child]) -> None:
@@ -454,8 +502,15 @@ class Bench:
             path.unlink()
         return samples
 
-    def wait_delivered(self, clients: list[Child], before: int, what: str) -> None:
-        """Wait until every subscriber has one more message than `before` in total."""
+    def deliver_to_all(
+        self, clients: list[Child], what: str, send: Callable[[], dict[str, Any]]
+    ) -> tuple[dict[str, Any], list[int]]:
+        """Have one event sent (`send()`, which returns its reply) and wait until
+        every subscriber has one more message; the reply, and the latencies (ns) of
+        the messages the subscribers received meanwhile."""
+        self.reset_latencies(clients)
+        before, _ = self.received(clients)
+        reply = send()
         subscribers = sum(int(client.request({"cmd": "count"})["started"]) for client in clients)
         wait_for(
             lambda: self.received(clients)[0] >= before + subscribers,
@@ -463,6 +518,7 @@ class Bench:
             timeout=60,
             interval=0.02,
         )
+        return reply, self.collect_latencies(clients)
 
     def flood(self, server: Child) -> None:
         server.request(
@@ -546,30 +602,16 @@ class Bench:
                 clients = self.clients(children, server, sizes.latency_subs)
                 server.request({"cmd": "mode", "mode": "rate", "rate": sizes.latency_rate})
                 time.sleep(sizes.warmup)
-                pooled: list[int] = []
-                per_rep = []
-                cpu = []
-                for _ in range(sizes.reps):
-                    meter = CpuMeter([server.pid])
-                    meter.start()
-                    samples = self.latency_window(clients, sizes.latency_window)
-                    cpu.append(meter.stop()[0])
-                    per_rep.append(latency_summary(samples))
-                    pooled += samples
+                summary, cpu = self.latency_windows(clients, sizes.latency_window, [server.pid])
                 if kind == "jobsignal" and sizes.profile_subs:
-                    path = self.record_profile(server, "latency", sizes.profile_seconds)
                     self.results["profile_latency"] = {
-                        "tool": "py-spy" if path.suffix == ".json" else "cProfile",
-                        "file": path.name,
+                        **self.record_profile(server, "latency", sizes.profile_seconds),
                         "subscribers": sizes.latency_subs,
                         "rate": sizes.latency_rate,
                     }
                 server.request({"cmd": "mode", "mode": "idle"})
-                summary = latency_summary(pooled)
-                summary["per_rep"] = per_rep
-                summary["server_cpu"] = cpu
+                summary["server_cpu"] = [window[0] for window in cpu]
                 summary["rss_bytes"] = server.rss_bytes()
-                summary["histogram_ms"] = _histogram(pooled)
                 results[kind] = summary
                 self.log(
                     f"  latency {kind}: p50 {summary['p50_ms']:.2f} ms,"
@@ -588,24 +630,17 @@ class Bench:
             clients = self.clients(children, server, sizes.e2e_subs)
             cluster.request({"cmd": "mode", "mode": "churn", "rate": sizes.e2e_rate})
             time.sleep(sizes.warmup)
-            pooled: list[int] = []
-            per_rep = []
             server.request({"cmd": "reset_lags"})
+            # The CPU over all the windows together.
             meter = CpuMeter([server.pid, cluster.pid])
             meter.start()
-            for _ in range(sizes.reps):
-                samples = self.latency_window(clients, sizes.latency_window)
-                per_rep.append(latency_summary(samples))
-                pooled += samples
+            summary, _ = self.latency_windows(clients, sizes.latency_window, [])
             server_cpu, cluster_cpu = meter.stop()
             cluster.request({"cmd": "mode", "mode": "idle"})
             lags = server.request({"cmd": "lags"})["lags_ns"]
-            summary = latency_summary(pooled)
-            summary["per_rep"] = per_rep
             summary["watch_to_publish"] = latency_summary(lags)
             summary["server_cpu"] = server_cpu
             summary["cluster_cpu"] = cluster_cpu
-            summary["histogram_ms"] = _histogram(pooled)
             self.results["e2e"] = {"jobsignal": summary}
             self.log(f"  e2e: p50 {summary['p50_ms']:.2f} ms, p99 {summary['p99_ms']:.2f} ms")
 
@@ -649,19 +684,17 @@ class Bench:
             time.sleep(0.5)
             rss_before = server.rss_bytes()
             reps = []
+            large_job = {
+                "cmd": "large",
+                "servers": sizes.large_servers,
+                "servers_per_configmap": sizes.large_per_cm,
+            }
             for rep in range(sizes.reps):
-                self.reset_latencies(clients)
-                before, _ = self.received(clients)
-                written = cluster.request(
-                    {
-                        "cmd": "large",
-                        "servers": sizes.large_servers,
-                        "servers_per_configmap": sizes.large_per_cm,
-                    },
-                    timeout=120,
+                written, samples = self.deliver_to_all(
+                    clients,
+                    f"the large job (write {rep})",
+                    functools.partial(cluster.request, large_job, timeout=120),
                 )
-                self.wait_delivered(clients, before, f"the large job (write {rep})")
-                samples = self.collect_latencies(clients)
                 reps.append(
                     {
                         "all_delivered_s": max(samples) / 1e9,
@@ -692,11 +725,11 @@ class Bench:
                 rss_before = server.rss_bytes()
                 reps = []
                 for rep in range(sizes.reps):
-                    self.reset_latencies(clients)
-                    before, _ = self.received(clients)
-                    server.request({"cmd": "publish_large"})
-                    self.wait_delivered(clients, before, f"the large message ({kind}, {rep})")
-                    samples = self.collect_latencies(clients)
+                    _, samples = self.deliver_to_all(
+                        clients,
+                        f"the large message ({kind}, {rep})",
+                        functools.partial(server.request, {"cmd": "publish_large"}),
+                    )
                     reps.append({"all_delivered_s": max(samples) / 1e9})
                 direct[kind] = {
                     "reps": reps,
@@ -818,19 +851,19 @@ class Bench:
             time.sleep(sizes.warmup)
             before, _ = self.received(clients)
             started = time.perf_counter()
-            path = self.record_profile(server, "fanout", sizes.profile_seconds)
+            profile = self.record_profile(server, "fanout", sizes.profile_seconds)
             after, _ = self.received(clients)
             rate = (after - before) / (time.perf_counter() - started)
             server.request({"cmd": "mode", "mode": "idle"})
             self.results["profile"] = {
-                "tool": "py-spy" if path.suffix == ".json" else "cProfile",
-                "file": path.name,
+                **profile,
                 "subscribers": sizes.profile_subs,
                 "rate_while_profiling": rate,
             }
 
-    def record_profile(self, server: Child, name: str, seconds: float) -> Path:
-        """Profile the jobsignal server for `seconds`: py-spy if installed, else cProfile."""
+    def record_profile(self, server: Child, name: str, seconds: float) -> dict[str, str]:
+        """Profile the jobsignal server for `seconds`: py-spy if installed, else
+        cProfile; which tool, and the profile's file name in `out`."""
         py_spy = shutil.which("py-spy") or shutil.which(
             "py-spy", path=str(Path(sys.executable).parent)
         )
@@ -843,12 +876,12 @@ class Bench:
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0 or not path.exists():
                 raise ChildError(f"py-spy failed: {done.stderr.strip()[-500:]}")
-            return path
+            return {"tool": "py-spy", "file": path.name}
         path = self.out / f"profile-jobsignal-{name}.cprofile"
         server.request({"cmd": "profile_start"})
         time.sleep(seconds)
         server.request({"cmd": "profile_stop", "path": str(path)})
-        return path
+        return {"tool": "cProfile", "file": path.name}
 
     def scenario_publish(self) -> None:
         """Microbenchmark of Broadcaster.publish vs. the proposed inner loop (bench/micro.py)."""
@@ -1030,11 +1063,11 @@ class Bench:
             if due - started >= sizes.big_window:
                 break
             time.sleep(max(0.0, due - time.perf_counter()))
-            self.reset_latencies(big)
-            before, _ = self.received(big)
-            published = server.request({"cmd": "publish_big"})
-            self.wait_delivered(big, before, f"big event {len(rounds)}")
-            samples = self.collect_latencies(big)
+            published, samples = self.deliver_to_all(
+                big,
+                f"big event {len(rounds)}",
+                functools.partial(server.request, {"cmd": "publish_big"}),
+            )
             rounds.append(
                 {
                     "first_delivered_s": min(samples) / 1e9,
@@ -1131,34 +1164,6 @@ class Bench:
                     f"{servers[kind]['latency']['p99_ms']:.1f} ms, per subscriber"
                     f" {spread['min']}/{spread['median']:g}/{spread['max']}"
                 )
-
-    def loadgen_windows(self, server: Child, client: Child) -> dict[str, list[float]]:
-        """Per window: delivered msg/s, server CPU (/proc) and the Go load
-        generator's own CPU (its getrusage), in cores and µs per delivered message."""
-        rows: dict[str, list[float]] = {
-            "rate": [],
-            "server_cpu": [],
-            "us_per_msg": [],
-            "loadgen_cpu": [],
-            "loadgen_us_per_msg": [],
-        }
-        for _ in range(self.sizes.reps):
-            meter = CpuMeter([server.pid])
-            meter.start()
-            before = client.request({"cmd": "count"})
-            started = time.perf_counter()
-            time.sleep(self.sizes.window)
-            after = client.request({"cmd": "count"})
-            elapsed = time.perf_counter() - started
-            server_cpu = meter.stop()[0]
-            rate = (after["received"] - before["received"]) / elapsed
-            loadgen_cpu = (after["cpu_seconds"] - before["cpu_seconds"]) / elapsed
-            rows["rate"].append(rate)
-            rows["server_cpu"].append(server_cpu)
-            rows["us_per_msg"].append(server_cpu * 1e6 / rate if rate else math.nan)
-            rows["loadgen_cpu"].append(loadgen_cpu)
-            rows["loadgen_us_per_msg"].append(loadgen_cpu * 1e6 / rate if rate else math.nan)
-        return rows
 
 
 def fairness(received: list[int], connections: int) -> dict[str, Any]:
