@@ -357,7 +357,9 @@ async def test_concurrent_streams_per_connection_limit(grpc_clients: GrpcioClien
         # The limit is on concurrent streams: ending one lets the late call start.
         streams[0].call.cancel()
         assert (await streams[0].wait_end(within=WAIT))[0] == grpc.StatusCode.CANCELLED
-        await wait_until(lambda: len(server.broadcaster.subscribers) == 1 + limit, within=WAIT)
+        # Subscribed before the next publish, or the late stream misses that event.
+        await wait_until(lambda: subscribed(server, ids[limit]), within=WAIT)
+        assert len(server.broadcaster.subscribers) == 1 + limit
         await assert_served(server, good)
         await wait_until(
             lambda: len(late.messages) >= 1, what="the late stream's first event", within=WAIT
