@@ -651,6 +651,15 @@ class ConfigMapStore:
         self._record(Change("MODIFIED", rv, obj, old))
         return obj
 
+    def create_or_update_configmap(
+        self, namespace: str, name: str, labels: Mapping[str, str], data: Mapping[str, str]
+    ) -> ConfigMap:
+        """Create with `labels` and `data`, or replace the data of the existing one
+        (its labels stay): how ClusterD writes a job's ConfigMaps."""
+        if (namespace, name) in self._objects:
+            return self.update_configmap(namespace, name, data=data)
+        return self.create_configmap(namespace, name, labels, data)
+
     def delete_configmap(self, namespace: str, name: str) -> ConfigMap:
         """Delete; returns the last state, stamped with the deletion's resourceVersion."""
         old = self.get(namespace, name)
