@@ -16,7 +16,7 @@ import re
 import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -753,25 +753,18 @@ class _Connection:
         scope.cancel()
 
 
+@dataclass(eq=False)
 class _WatchWriter:
     """Streams one watch: events, bookmarks, the timeout, and any injected fault."""
 
-    def __init__(
-        self,
-        connection: _Connection,
-        subscription: Subscription,
-        fault: Fault | None,
-        bookmarks: bool,
-        timeout: float | None,
-    ) -> None:
-        self.connection = connection
-        self.subscription = subscription
-        self.fault = fault
-        self.bookmarks = bookmarks
-        self.timeout = timeout
-        self.sent_events = 0
-        self.cut_next_line = False
-        self.ended_by_restart = False
+    connection: _Connection
+    subscription: Subscription
+    fault: Fault | None
+    bookmarks: bool
+    timeout: float | None
+    sent_events: int = field(default=0, init=False)
+    cut_next_line: bool = field(default=False, init=False)
+    ended_by_restart: bool = field(default=False, init=False)
 
     async def _write(self, line: bytes) -> None:
         if self.cut_next_line:
