@@ -50,6 +50,7 @@ def for_block(
 
     @asynccontextmanager
     async def block(*args: P.args, **kwargs: P.kwargs) -> AsyncIterator[T]:
+        """Runs the task with these arguments for the block, yielding what it started with."""
         async with background_tasks() as nursery:
             started: T = await nursery.start(
                 lambda task_status: run(task_status, *args, **kwargs), name=run
