@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import shtab
 import trio
@@ -53,6 +53,8 @@ EXIT_USAGE = 2
 # What a shell reports for a command that SIGPIPE ended.
 EXIT_STDOUT_CLOSED = 128 + signal.SIGPIPE
 SHELLS = ("bash", "zsh", "tcsh")
+
+T = TypeVar("T")
 
 
 class StdoutClosed(Exception):
@@ -143,28 +145,29 @@ def npu_count(hccl_json: str) -> str:
         return "<unknown>"
 
 
+# kubectl's steps (its HumanDuration): an age below `bound` seconds is shown in
+# `unit`, followed by the remainder in `then` unless that is zero or `then` is "".
+_AGE_STEPS = (
+    (2 * 60, "s", ""),
+    (10 * 60, "m", "s"),
+    (3 * 3600, "m", ""),
+    (8 * 3600, "h", "m"),
+    (48 * 3600, "h", ""),
+    (8 * 86400, "d", "h"),
+    (2 * 365 * 86400, "d", ""),
+    (8 * 365 * 86400, "y", "d"),
+)
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "y": 365 * 86400}
+
+
 def human_age(seconds: float) -> str:
     """An age the way kubectl prints one: 45s, 7m3s, 2h10m, 3d4h, 400d, 3y12d."""
     s = max(0, int(seconds))
-    minutes, hours, days = s // 60, s // 3600, s // 86400
-    years = days // 365
-    if s < 120:
-        return f"{s}s"
-    if minutes < 10:
-        return f"{minutes}m{s % 60}s" if s % 60 else f"{minutes}m"
-    if hours < 3:
-        return f"{minutes}m"
-    if hours < 8:
-        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
-    if hours < 48:
-        return f"{hours}h"
-    if days < 8:
-        return f"{days}d{hours % 24}h" if hours % 24 else f"{days}d"
-    if years < 2:
-        return f"{days}d"
-    if years < 8:
-        return f"{years}y{days % 365}d" if days % 365 else f"{years}y"
-    return f"{years}y"
+    unit, then = next(((unit, then) for bound, unit, then in _AGE_STEPS if s < bound), ("y", ""))
+    size = _UNIT_SECONDS[unit]
+    text = f"{s // size}{unit}"
+    rest = (s % size) // _UNIT_SECONDS[then] if then else 0
+    return f"{text}{rest}{then}" if rest else text
 
 
 def job_age(started: str, now: float) -> str:
@@ -198,14 +201,23 @@ def jobs_table(jobs: Sequence[JobSummarySignal], now: float, headers: bool = Tru
     )
 
 
-async def print_jobs(options: SubscribeOptions, args: argparse.Namespace) -> int:
+async def _answer_within(
+    seconds: float, what: str, options: SubscribeOptions, call: Callable[[], Awaitable[T]]
+) -> T:
+    """The answer of `call`, or CallFailed saying no `what` came within `seconds`."""
     try:
-        with trio.fail_after(args.timeout):
-            jobs = await fetch_jobs(options)
+        with trio.fail_after(seconds):
+            return await call()
     except trio.TooSlowError:
         raise CallFailed(
-            f"no complete job list from {options.host}:{options.port} within {args.timeout:g}s"
+            f"no {what} from {options.host}:{options.port} within {seconds:g}s"
         ) from None
+
+
+async def print_jobs(options: SubscribeOptions, args: argparse.Namespace) -> int:
+    jobs = await _answer_within(
+        args.timeout, "complete job list", options, lambda: fetch_jobs(options)
+    )
     if args.namespace:
         jobs = [job for job in jobs if job.namespace == args.namespace]
     if not jobs:
@@ -220,13 +232,9 @@ async def print_jobs(options: SubscribeOptions, args: argparse.Namespace) -> int
 
 
 async def print_health(options: SubscribeOptions, args: argparse.Namespace) -> int:
-    try:
-        with trio.fail_after(args.timeout):
-            status = await check_health(options, args.service)
-    except trio.TooSlowError:
-        raise CallFailed(
-            f"no health answer from {options.host}:{options.port} within {args.timeout:g}s"
-        ) from None
+    status = await _answer_within(
+        args.timeout, "health answer", options, lambda: check_health(options, args.service)
+    )
     emit(status)
     return 0 if status == "SERVING" else 1
 
@@ -279,6 +287,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seconds_flag(group: argparse._ArgumentGroup, flag: str, default: float, what: str) -> None:
+    group.add_argument(
+        flag,
+        type=_seconds,
+        default=default,
+        metavar="SECONDS",
+        help=f"{what} (default {default:g})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jobsignal",
@@ -304,13 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--role", required=True, metavar="ROLE", help="client role, e.g. CCAgent")
     group.add_argument("--list", action="store_true", help="use SubscribeJobSummarySignalList")
     group.add_argument("--json", action="store_true", help="one JSON object per line")
-    group.add_argument(
-        "--keepalive",
-        type=_seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="seconds between keepalive PINGs (default 30)",
-    )
+    _seconds_flag(group, "--keepalive", 30.0, "seconds between keepalive PINGs")
     _settings(sub, SUBSCRIBE_SETTINGS)
 
     jobs = commands.add_parser(
@@ -331,13 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--namespace", default="", metavar="NAME", help="only the jobs of this namespace"
     )
     group.add_argument("--no-headers", action="store_true", help="no header line")
-    group.add_argument(
-        "--timeout",
-        type=_seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="give up after this long (default 30)",
-    )
+    _seconds_flag(group, "--timeout", 30.0, "give up after this long")
     _settings(jobs, SUBSCRIBE_SETTINGS)
 
     check = commands.add_parser(
@@ -355,13 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="health entry to check: '' (default) the server as a whole, job.Job,"
         " jobsignal.KubernetesSync",
     )
-    group.add_argument(
-        "--timeout",
-        type=_seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="give up after this long (default 5)",
-    )
+    _seconds_flag(group, "--timeout", 5.0, "give up after this long")
     _settings(check, SUBSCRIBE_SETTINGS)
 
     completion = commands.add_parser(

@@ -11,7 +11,9 @@ watcher.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +24,7 @@ import trio.lowlevel
 from jobsignal.fanout.broadcaster import Broadcaster
 from jobsignal.fanout.subscriber import EndReason, EventQueue, QueuedEvent
 from jobsignal.store import strict_json
-from jobsignal.store.model import JobSummary
+from jobsignal.store.model import JobSummary, SignalFields
 
 
 class EventKind(enum.Enum):
@@ -106,8 +108,12 @@ def parse_rank_table(text: str) -> RankTable | None:
     return RankTable(_text(document.get("status")), tuple(servers), document)
 
 
+# A JobSummary's SignalFields values, in their order.
+_signal_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(SignalFields)))
+
+
 @dataclass(frozen=True, slots=True)
-class JobState:
+class JobState(SignalFields):
     """A job as its last event describes it: the fields of a `JobSummarySignal`.
 
     Text as ClusterD wrote it: `job_status` pending, running, complete or
@@ -116,37 +122,9 @@ class JobState:
     table (see `rank_table()`).
     """
 
-    namespace: str
-    job_id: str
-    job_name: str
-    framework: str
-    job_status: str
-    time: str
-    total: str
-    hccl_json: str
-    delete_time: str
-    shared_tor_ip: str
-    master_addr: str
-    operator: str
-    sid: str
-
     @classmethod
     def of(cls, job: JobSummary) -> JobState:
-        return cls(
-            job.namespace,
-            job.job_id,
-            job.job_name,
-            job.framework,
-            job.job_status,
-            job.time,
-            job.total,
-            job.hccl_json,
-            job.delete_time,
-            job.shared_tor_ip,
-            job.master_addr,
-            job.operator,
-            job.sid,
-        )
+        return cls(*_signal_fields(job))
 
     @property
     def key(self) -> tuple[str, str]:

@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import trio
 from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
@@ -26,6 +26,13 @@ def _now() -> float:
         return trio.current_time()
     except RuntimeError:  # outside trio (plain unit tests, asyncio-only callers)
         return time.monotonic()
+
+
+class LogOptions(TypedDict, total=False):
+    """What `RateLimitedLog`'s methods pass on to `Logger.log` besides the message."""
+
+    exc_info: bool
+    extra: Mapping[str, object] | None
 
 
 class RateLimitedLog:
@@ -67,41 +74,21 @@ class RateLimitedLog:
         return True, reported
 
     def log(
-        self,
-        level: int,
-        key: str,
-        message: str,
-        *args: object,
-        exc_info: bool = False,
-        extra: Mapping[str, object] | None = None,
+        self, level: int, key: str, message: str, *args: object, **options: Unpack[LogOptions]
     ) -> bool:
         """Log unless `key` is over its budget; True when the line was written."""
         admitted, suppressed = self.admit(key)
         if suppressed:
             self.logger.log(level, "%s: %d similar messages suppressed", key, suppressed)
         if admitted:
-            self.logger.log(level, message, *args, exc_info=exc_info, extra=extra)
+            self.logger.log(level, message, *args, **options)
         return admitted
 
-    def warning(
-        self,
-        key: str,
-        message: str,
-        *args: object,
-        exc_info: bool = False,
-        extra: Mapping[str, object] | None = None,
-    ) -> bool:
-        return self.log(logging.WARNING, key, message, *args, exc_info=exc_info, extra=extra)
+    def warning(self, key: str, message: str, *args: object, **options: Unpack[LogOptions]) -> bool:
+        return self.log(logging.WARNING, key, message, *args, **options)
 
-    def error(
-        self,
-        key: str,
-        message: str,
-        *args: object,
-        exc_info: bool = False,
-        extra: Mapping[str, object] | None = None,
-    ) -> bool:
-        return self.log(logging.ERROR, key, message, *args, exc_info=exc_info, extra=extra)
+    def error(self, key: str, message: str, *args: object, **options: Unpack[LogOptions]) -> bool:
+        return self.log(logging.ERROR, key, message, *args, **options)
 
 
 class RateLimitFilter(logging.Filter):

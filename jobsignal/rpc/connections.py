@@ -381,38 +381,34 @@ class ObservedH2Protocol(H2Protocol):
     def _ping_received(self, event: PingReceived) -> None:
         # h2 has already queued the PING ACK; only the heartbeat is ours.
         if not self.activity.ping_received():
-            fault_log.warning(
-                TOO_MANY_PINGS, "closing connection from %s: too many pings", self.peer
-            )
-            self._table.closed_by_server[TOO_MANY_PINGS] += 1
+            self._count_close(TOO_MANY_PINGS, "too many pings")
             self.goaway(ErrorCodes.ENHANCE_YOUR_CALM, TOO_MANY_PINGS.encode())
 
     # -- closing ---------------------------------------------------------------------------------
 
-    def _enhance_your_calm(self, rule: str) -> None:
+    def _count_close(self, rule: str, why: str, *args: object) -> None:
+        """Count a close under `rule` and log it ("closing connection from <peer>: why"),
+        rate-limited per rule."""
         self._table.closed_by_server[rule] += 1
-        fault_log.warning(rule, "closing connection from %s: %s", self.peer, rule)
+        fault_log.warning(rule, "closing connection from %s: " + why, self.peer, *args)
+
+    def _enhance_your_calm(self, rule: str) -> None:
+        self._count_close(rule, "%s", rule)
         self.goaway(ErrorCodes.ENHANCE_YOUR_CALM, rule.encode())
 
     def _handshake_expired(self) -> None:
         self._handshake_timer = None
-        self._table.closed_by_server[HANDSHAKE_TIMEOUT] += 1
-        fault_log.warning(
+        self._count_close(
             HANDSHAKE_TIMEOUT,
-            "closing connection from %s: no HTTP/2 preface and SETTINGS within %gs",
-            self.peer,
+            "no HTTP/2 preface and SETTINGS within %gs",
             self._limits.handshake_timeout,
         )
         self.goaway(ErrorCodes.PROTOCOL_ERROR, HANDSHAKE_TIMEOUT.encode())
 
     def _write_stalled(self) -> None:
         self._stall_timer = None
-        self._table.closed_by_server[WRITE_STALLED] += 1
-        fault_log.warning(
-            WRITE_STALLED,
-            "closing connection from %s: it has not read for %gs",
-            self.peer,
-            self._limits.write_stall_timeout,
+        self._count_close(
+            WRITE_STALLED, "it has not read for %gs", self._limits.write_stall_timeout
         )
         # Nothing more can be written to it: drop what is buffered.
         self.abort()

@@ -136,28 +136,25 @@ class JobService:
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         unary = grpclib.const.Cardinality.UNARY_UNARY
         streaming = grpclib.const.Cardinality.UNARY_STREAM
-        return {
-            "/job.Job/Register": grpclib.const.Handler(
-                self._fault_boundary("Register", self.register), unary, ClientInfo, Status
-            ),
-            "/job.Job/SubscribeJobSummarySignal": grpclib.const.Handler(
-                self._fault_boundary(
-                    "SubscribeJobSummarySignal",
-                    functools.partial(self.subscribe, StreamKind.SIGNAL),
-                ),
+        # Every RPC takes a ClientInfo; by name: the handler, its cardinality, the reply.
+        rpcs: dict[str, tuple[Handler, grpclib.const.Cardinality, type[Any]]] = {
+            "Register": (self.register, unary, Status),
+            "SubscribeJobSummarySignal": (
+                functools.partial(self.subscribe, StreamKind.SIGNAL),
                 streaming,
-                ClientInfo,
                 JobSummarySignal,
             ),
-            "/job.Job/SubscribeJobSummarySignalList": grpclib.const.Handler(
-                self._fault_boundary(
-                    "SubscribeJobSummarySignalList",
-                    functools.partial(self.subscribe, StreamKind.LIST),
-                ),
+            "SubscribeJobSummarySignalList": (
+                functools.partial(self.subscribe, StreamKind.LIST),
                 streaming,
-                ClientInfo,
                 JobSummarySignalList,
             ),
+        }
+        return {
+            f"/job.Job/{rpc}": grpclib.const.Handler(
+                self._fault_boundary(rpc, handler), cardinality, ClientInfo, reply
+            )
+            for rpc, (handler, cardinality, reply) in rpcs.items()
         }
 
     async def register(self, stream: Stream) -> None:

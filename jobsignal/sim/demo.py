@@ -19,7 +19,7 @@ import uuid
 import trio
 
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
+from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, run_emulator
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,7 @@ NAMESPACE = "demo"
 def _write(state: ConfigMapStore, job: ClusterdJob, status: str, operator: str = "add") -> None:
     delete_time = int(time.time()) if operator == "delete" else None
     for name, data in job.configmaps(status, operator, delete_time):
-        try:
-            state.get(job.namespace, name)
-        except StatusError:
-            state.create_configmap(job.namespace, name, JOB_LABELS, data)
-        else:
-            state.update_configmap(job.namespace, name, data=data)
+        state.create_or_update_configmap(job.namespace, name, JOB_LABELS, data)
 
 
 def _remove(state: ConfigMapStore, job: ClusterdJob) -> None:

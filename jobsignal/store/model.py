@@ -23,13 +23,10 @@ class JobKey:
 
 
 @dataclass(frozen=True, slots=True)
-class JobSummary:
-    """Everything a `JobSummarySignal` carries except its per-event `uuid`.
-
-    `cmIndex` is always "0" on the wire (one message per job, never per
-    ConfigMap) so it is not stored. `npu_count` is derived from the rank table
-    and is not compared: it never differs when `hccl_json` does not.
-    """
+class SignalFields:
+    """The fields of a `JobSummarySignal` that describe the job: all but the
+    per-event `uuid`, and `cmIndex`, always "0" on the wire (one message per
+    job, never per ConfigMap), so not kept. Text as ClusterD wrote it."""
 
     namespace: str
     job_id: str
@@ -44,6 +41,16 @@ class JobSummary:
     master_addr: str
     operator: str
     sid: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobSummary(SignalFields):
+    """Everything a `JobSummarySignal` carries except its per-event `uuid`.
+
+    `npu_count` is derived from the rank table and is not compared: it never
+    differs when `hccl_json` does not.
+    """
+
     npu_count: int = dataclasses.field(default=0, compare=False)
 
     @property

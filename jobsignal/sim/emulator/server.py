@@ -9,22 +9,21 @@ tests can run it in virtual time.
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import json
 import math
 import re
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import h11
 import trio
 
+from jobsignal.blocks import for_block
 from jobsignal.sim.emulator.state import (
     ConfigMap,
     ConfigMapStore,
@@ -754,25 +753,18 @@ class _Connection:
         scope.cancel()
 
 
+@dataclass(eq=False)
 class _WatchWriter:
     """Streams one watch: events, bookmarks, the timeout, and any injected fault."""
 
-    def __init__(
-        self,
-        connection: _Connection,
-        subscription: Subscription,
-        fault: Fault | None,
-        bookmarks: bool,
-        timeout: float | None,
-    ) -> None:
-        self.connection = connection
-        self.subscription = subscription
-        self.fault = fault
-        self.bookmarks = bookmarks
-        self.timeout = timeout
-        self.sent_events = 0
-        self.cut_next_line = False
-        self.ended_by_restart = False
+    connection: _Connection
+    subscription: Subscription
+    fault: Fault | None
+    bookmarks: bool
+    timeout: float | None
+    sent_events: int = field(default=0, init=False)
+    cut_next_line: bool = field(default=False, init=False)
+    ended_by_restart: bool = field(default=False, init=False)
 
     async def _write(self, line: bytes) -> None:
         if self.cut_next_line:
@@ -876,6 +868,7 @@ def _check_loopback(host: str) -> None:
 
 
 async def run_emulator(
+    task_status: trio.TaskStatus[KubeEmulator] = trio.TASK_STATUS_IGNORED,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -885,13 +878,13 @@ async def run_emulator(
     history_size: int = 1000,
     default_watch_timeout: float | None = DEFAULT_WATCH_TIMEOUT,
     state: ConfigMapStore | None = None,
-    task_status: trio.TaskStatus[KubeEmulator] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until cancelled; `task_status.started(emulator)` once it accepts connections.
 
     `host` must be a loopback address. With `ssl_context` it speaks HTTPS (and checks
     client certificates if the context requires them). `state` lets several runs share
-    one store; by default a fresh one with `history_size` is made.
+    one store; by default a fresh one with `history_size` is made. `open_emulator`
+    takes the same arguments and runs one for the length of an `async with` block.
     """
     _check_loopback(host)
     listeners = await trio.open_tcp_listeners(port, host=host)
@@ -916,44 +909,6 @@ async def run_emulator(
         task_status.started(emulator)
 
 
-@asynccontextmanager
-async def open_emulator(
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    ssl_context: ssl.SSLContext | None = None,
-    token: str | None = None,
-    bookmark_interval: float = 60.0,
-    history_size: int = 1000,
-    default_watch_timeout: float | None = DEFAULT_WATCH_TIMEOUT,
-    state: ConfigMapStore | None = None,
-) -> AsyncIterator[KubeEmulator]:
-    """Run an emulator for the duration of the block; see `run_emulator`.
-
-    An exception from the block comes out as itself, not inside an exception group.
-    """
-    _check_loopback(host)
-    raised: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        emulator: KubeEmulator = await nursery.start(
-            functools.partial(
-                run_emulator,
-                host=host,
-                port=port,
-                ssl_context=ssl_context,
-                token=token,
-                bookmark_interval=bookmark_interval,
-                history_size=history_size,
-                default_watch_timeout=default_watch_timeout,
-                state=state,
-            )
-        )
-        try:
-            yield emulator
-        except BaseException as exc:
-            # Raised again below, outside the nursery that would wrap it.
-            raised = exc
-        finally:
-            nursery.cancel_scope.cancel()
-    if raised is not None:
-        raise raised
+# `async with open_emulator(token="t") as emu:` serves for the length of the block;
+# an exception from the block (or a refused host) comes out as itself.
+open_emulator = for_block(run_emulator)

@@ -111,12 +111,11 @@ class ResourceVersionTooLarge(StatusError):
         self.requested = requested
 
 
-def _not_found(namespace: str, name: str) -> StatusError:
-    return StatusError(
-        404,
-        f'configmaps "{name}" not found',
-        details={"name": name, "kind": "configmaps"},
-    )
+def _configmap_error(
+    code: int, name: str, message: str, *, reason: str | None = None
+) -> StatusError:
+    """An error about the ConfigMap `name`, with the details the API server gives."""
+    return StatusError(code, message, reason=reason, details={"name": name, "kind": "configmaps"})
 
 
 def _rfc3339(seconds: float) -> str:
@@ -578,7 +577,7 @@ class ConfigMapStore:
         try:
             return self._objects[(namespace, name)]
         except KeyError:
-            raise _not_found(namespace, name) from None
+            raise _configmap_error(404, name, f'configmaps "{name}" not found') from None
 
     def objects(self, selector: Selector = Selector()) -> list[ConfigMap]:
         """The current objects that match, in key order (namespace, name)."""
@@ -599,11 +598,8 @@ class ConfigMapStore:
     ) -> ConfigMap:
         """Create; 409 AlreadyExists if (namespace, name) is taken."""
         if (namespace, name) in self._objects:
-            raise StatusError(
-                409,
-                f'configmaps "{name}" already exists',
-                reason="AlreadyExists",
-                details={"name": name, "kind": "configmaps"},
+            raise _configmap_error(
+                409, name, f'configmaps "{name}" already exists', reason="AlreadyExists"
             )
         _check_name(name)
         rv = self._next_version()
@@ -639,11 +635,11 @@ class ConfigMapStore:
         if expected_resource_version is not None and expected_resource_version != (
             old.resource_version
         ):
-            raise StatusError(
+            raise _configmap_error(
                 409,
+                name,
                 f'Operation cannot be fulfilled on configmaps "{name}": the object has been '
                 "modified; please apply your changes to the latest version and try again",
-                details={"name": name, "kind": "configmaps"},
             )
         new_labels = _str_map(labels, "labels") if labels is not None else old.labels
         new_data = _str_map(data, "data") if data is not None else old.data
@@ -654,6 +650,15 @@ class ConfigMapStore:
         self._objects[obj.key] = obj
         self._record(Change("MODIFIED", rv, obj, old))
         return obj
+
+    def create_or_update_configmap(
+        self, namespace: str, name: str, labels: Mapping[str, str], data: Mapping[str, str]
+    ) -> ConfigMap:
+        """Create with `labels` and `data`, or replace the data of the existing one
+        (its labels stay): how ClusterD writes a job's ConfigMaps."""
+        if (namespace, name) in self._objects:
+            return self.update_configmap(namespace, name, data=data)
+        return self.create_configmap(namespace, name, labels, data)
 
     def delete_configmap(self, namespace: str, name: str) -> ConfigMap:
         """Delete; returns the last state, stamped with the deletion's resourceVersion."""
