@@ -30,13 +30,9 @@ from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.metrics import MetricSources, build_registry
 from jobsignal.metrics_server import HttpStats, run_metrics_server
-from jobsignal.rpc.activity import PingPolicy
-from jobsignal.rpc.guard import ProtocolLimits
-from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
-from jobsignal.rpc.session import SessionSettings
-from jobsignal.rpc.tls import TlsConfigError, TlsFiles, build_context
+from jobsignal.rpc.tls import TlsConfigError, build_context
 from jobsignal.sim.demo import run_demo_cluster
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
@@ -85,66 +81,15 @@ class RunningJobsignal:
 
 
 def server_settings(config: Config) -> ServerSettings:
-    (host, port), *more = config.listen
-    return ServerSettings(
-        host=host,
-        port=port,
-        more_addresses=tuple(more),
-        session=SessionSettings(
-            idle_timeout=config.idle_timeout,
-            send_timeout=config.send_timeout,
-            snapshot_roles=frozenset(config.snapshot_roles),
-        ),
-        ping_policy=PingPolicy(config.min_client_ping_interval, config.ping_strikes),
-        keepalive_time=config.keepalive_time,
-        keepalive_timeout=config.keepalive_timeout,
-        shutdown_grace=config.shutdown_grace,
-        max_request_bytes=config.max_request_bytes,
-        tls=tls_files(config),
-        limits=Limits(
-            max_connections=config.max_connections,
-            max_connections_per_ip=config.max_connections_per_ip,
-            max_streams_per_connection=config.max_streams_per_connection,
-            register_rate=config.register_rate,
-            register_burst=config.register_burst,
-            subscribe_rate=config.subscribe_rate,
-            subscribe_burst=config.subscribe_burst,
-        ),
-        tls_reload_interval=config.tls_reload_interval,
-        protocol_limits=ProtocolLimits(
-            handshake_timeout=config.handshake_timeout,
-            max_resets_per_second=config.max_stream_resets_per_second,
-            max_control_frames_per_second=config.max_control_frames_per_second,
-            read_bytes_per_turn=config.read_bytes_per_turn,
-            write_stall_timeout=config.write_stall_timeout,
-        ),
-    )
-
-
-def registry_for(config: Config) -> Registry:
-    return Registry(
-        roles=config.roles,
-        max_registrations=config.max_registrations,
-        max_subscriptions_per_role=config.max_subscriptions_per_role,
-        ttl=config.registration_ttl,
-        max_registrations_per_ip=config.max_registrations_per_ip,
-        max_subscriptions_per_role_per_ip=config.max_subscriptions_per_role_per_ip,
-    )
-
-
-def tls_files(config: Config) -> TlsFiles | None:
-    if not config.tls_cert:
-        return None
-    files = TlsFiles(
-        Path(config.tls_cert),
-        Path(config.tls_key),
-        Path(config.tls_client_ca) if config.tls_client_ca else None,
-    )
-    try:
-        build_context(files)  # fail at start-up, with the file named, not at the first client
-    except TlsConfigError as error:
-        raise ConfigError(str(error)) from None
-    return files
+    """The gRPC server's settings, its TLS files loaded once: a broken one is a
+    ConfigError at start-up, with the file named, not a failure at the first client."""
+    settings = ServerSettings.from_config(config)
+    if settings.tls is not None:
+        try:
+            build_context(settings.tls)
+        except TlsConfigError as error:
+            raise ConfigError(str(error)) from None
+    return settings
 
 
 def choose_connection(config: Config, environ: Mapping[str, str]) -> KubeConnection | None:
@@ -176,11 +121,7 @@ async def run_source(
     *,
     task_status: trio.TaskStatus[Watcher] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    settings = WatchSettings(
-        label_selector=config.label_selector,
-        namespaces=config.namespaces,
-        watch_timeout=config.watch_timeout,
-    )
+    settings = WatchSettings.from_config(config)
     async with trio.open_nursery() as nursery:
         if connection is None:
             log.warning("no Kubernetes cluster configured: serving the embedded DEMO cluster")
@@ -306,12 +247,8 @@ async def run_jobsignal(
         shutdown = trio.Event()
     store = JobStore()
     status = SourceStatus()
-    broadcaster = Broadcaster(
-        max_pending=config.max_pending_messages,
-        max_pending_bytes=config.max_pending_bytes,
-        max_message_bytes=config.max_send_bytes,
-    )
-    registry = registry_for(config)
+    broadcaster = Broadcaster.from_config(config)
+    registry = Registry.from_config(config)
     draining = trio.Event()
     async with trio.open_nursery() as nursery:
         if handle_signals:

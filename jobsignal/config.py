@@ -1,8 +1,9 @@
 """Settings of `jobsignal serve`: each declared once, as a field of `Config` carrying its
 flag, env var, default, check, help and --help group, and the kind of value it takes
 (SECONDS, BYTES, HOST:PORT: named after the parser that checks it). SERVE_SETTINGS, the
-command line, the README table and the layers' defaults (`DEFAULTS`) come from there; each
-layer builds its own settings from a Config (`from_config`).
+command line, the README table and `DEFAULTS` come from there. Each layer's settings
+are a `LayerSettings` dataclass whose fields name what they read (`from_setting`), which
+gives both their defaults and `from_config`; the layers keep no default of their own.
 
 Precedence: command-line flag, then environment variable, then default. A bad
 value raises `ConfigError` with one line naming the setting, where it came
@@ -17,7 +18,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Self, TypeVar, cast
 
 
 class ConfigError(Exception):
@@ -536,6 +537,26 @@ DEFAULTS: Config = load_config({}, {})
 
 def defaults() -> Config:
     return DEFAULTS
+
+
+_READ = "jobsignal.reads_setting"
+
+
+def from_setting(read: Callable[[Config], _T]) -> _T:
+    """A field of a layer's settings (a `LayerSettings` dataclass) that `read` takes
+    from a Config, converted as the layer keeps it (`lambda c: frozenset(c.roles)`);
+    its default is read from DEFAULTS, so it cannot disagree with the setting's."""
+    return dataclasses.field(default=read(DEFAULTS), metadata={_READ: read})
+
+
+class LayerSettings:
+    """Base of a layer's settings dataclass: `from_config` fills every field declared
+    with `from_setting`; the other fields keep their defaults."""
+
+    @classmethod
+    def from_config(cls, config: Config) -> Self:
+        fields = dataclasses.fields(cast(Any, cls))
+        return cls(**{f.name: f.metadata[_READ](config) for f in fields if _READ in f.metadata})
 
 
 def configure(**settings: object) -> Config:
