@@ -40,28 +40,62 @@ from jobsignal.store import JobStore
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RunningJobsignal:
-    """A started server, as `run_jobsignal` reports it to `nursery.start`."""
+@dataclass(frozen=True)
+class ServerParts:
+    """The running pieces of a server, for tests and diagnostics: not API, may change."""
 
-    host: str
-    port: int
-    metrics_port: int | None
     broadcaster: Broadcaster
     registry: Registry
     store: JobStore
     status: SourceStatus
     watcher: Watcher
     grpc: RunningServer
-    shutdown: trio.Event
+
+
+class RunningJobsignal:
+    """A started server, as `serve` (`run_jobsignal`) reports it to `nursery.start`.
+
+    `host` and `port` are the first gRPC listen address as bound (port 0 asked:
+    the port the system chose); `addresses` every bound gRPC socket, one per
+    --listen address (two for a host-less `:PORT` on a host with IPv4 and
+    IPv6). `metrics_port` is the bound --metrics-listen port, None when off.
+    `ready` is set once every watched scope's first LIST is applied (health
+    turns SERVING), `stopped` once the gRPC server has shut down.
+    """
+
+    def __init__(self, parts: ServerParts, shutdown: trio.Event, metrics_port: int | None) -> None:
+        # For tests and diagnostics only; not API.
+        self._parts = parts
+        self._shutdown = shutdown
+        self._metrics_port = metrics_port
+
+    @property
+    def host(self) -> str:
+        return self._parts.grpc.host
+
+    @property
+    def port(self) -> int:
+        return self._parts.grpc.port
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        return tuple(self._parts.grpc.addresses)
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_port
+
+    @property
+    def ready(self) -> trio.Event:
+        return self._parts.status.ready
 
     @property
     def stopped(self) -> trio.Event:
-        return self.grpc.stopped
+        return self._parts.grpc.stopped
 
     def request_shutdown(self) -> None:
         """End every stream with UNAVAILABLE, stop the server, return from run_jobsignal."""
-        self.shutdown.set()
+        self._shutdown.set()
 
     @asynccontextmanager
     async def open_subscription(self, *, snapshot: bool = True) -> AsyncIterator[JobEvents]:
@@ -72,8 +106,8 @@ class RunningJobsignal:
         like a stream's (`--max-pending-messages`, `--max-pending-bytes`); the
         channel ends when the server shuts down. Leaving the block closes it.
         """
-        await self.status.ready.wait()
-        events = JobEvents(self.broadcaster, snapshot=snapshot)
+        await self.ready.wait()
+        events = JobEvents(self._parts.broadcaster, snapshot=snapshot)
         try:
             yield events
         finally:
@@ -284,19 +318,7 @@ async def run_jobsignal(
                 build_registry(sources),
             )
         nursery.start_soon(_freeze_after_first_list, status)
-        task_status.started(
-            RunningJobsignal(
-                server.host,
-                server.port,
-                metrics_port,
-                broadcaster,
-                registry,
-                store,
-                status,
-                watcher,
-                server,
-                shutdown,
-            )
-        )
+        parts = ServerParts(broadcaster, registry, store, status, watcher, server)
+        task_status.started(RunningJobsignal(parts, shutdown, metrics_port))
         await server.stopped.wait()
         nursery.cancel_scope.cancel()
