@@ -73,99 +73,64 @@ def built(config: Config) -> dict[str, object]:
     }
 
 
-# Per setting: keywords for `configure` giving it a value other than its default
-# (with any setting it needs alongside), and every layer field that must then
-# change, to what. The values differ from each other, so a swap fails too.
-CERT, KEY = Path("c.pem"), Path("k.pem")
-REACHES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
+# Per setting: a value other than its default, and the layer field it must
+# reach, which then holds that value as the Config does; or, where the layer
+# keeps another form, every field that must change and to what. The values
+# differ from each other, so a swap fails too.
+CERT, KEY, CA = Path("c.pem"), Path("k.pem"), Path("ca.pem")
+REACHES: dict[str, tuple[str, str | dict[str, object]]] = {
     "listen": (
-        {"listen": "127.0.0.1:9001,[::1]:9002"},
+        "127.0.0.1:9001,[::1]:9002",
         {
             "server.host": "127.0.0.1",
             "server.port": 9001,
             "server.more_addresses": (("::1", 9002),),
         },
     ),
-    "tls_cert": ({"tls_cert": "c.pem", "tls_key": "k.pem"}, {"server.tls": TlsFiles(CERT, KEY)}),
-    "tls_key": ({"tls_key": "k.pem", "tls_cert": "c.pem"}, {"server.tls": TlsFiles(CERT, KEY)}),
-    "tls_client_ca": (
-        {"tls_client_ca": "ca.pem", "tls_cert": "c.pem", "tls_key": "k.pem"},
-        {"server.tls": TlsFiles(CERT, KEY, Path("ca.pem"))},
-    ),
-    "tls_reload_interval": ({"tls_reload_interval": "31"}, {"server.tls_reload_interval": 31.0}),
-    "namespaces": ({"namespaces": "a,b"}, {"watch.namespaces": ("a", "b")}),
-    "label_selector": ({"label_selector": "app=x"}, {"watch.label_selector": "app=x"}),
-    "watch_timeout": ({"watch_timeout": "301"}, {"watch.watch_timeout": 301.0}),
-    "idle_timeout": ({"idle_timeout": "121"}, {"server.session.idle_timeout": 121.0}),
-    "roles": ({"roles": "FdAgent,Other"}, {"registry.roles": ("FdAgent", "Other")}),
-    "snapshot_roles": (
-        {"snapshot_roles": "CCAgent"},
-        {"server.session.snapshot_roles": frozenset({"CCAgent"})},
-    ),
-    "max_subscriptions_per_role": (
-        {"max_subscriptions_per_role": "21"},
-        {"registry.max_subscriptions_per_role": 21},
-    ),
-    "max_subscriptions_per_role_per_ip": (
-        {"max_subscriptions_per_role_per_ip": "11"},
-        {"registry.max_subscriptions_per_role_per_ip": 11},
-    ),
-    "max_registrations": ({"max_registrations": "1025"}, {"registry.max_registrations": 1025}),
-    "max_registrations_per_ip": (
-        {"max_registrations_per_ip": "129"},
-        {"registry.max_registrations_per_ip": 129},
-    ),
-    "registration_ttl": ({"registration_ttl": "302"}, {"registry.ttl": 302.0}),
-    "max_pending_messages": ({"max_pending_messages": "1026"}, {"broadcaster.max_pending": 1026}),
-    "max_pending_bytes": (
-        {"max_pending_bytes": "67108865"},
-        {"broadcaster.max_pending_bytes": 67108865},
-    ),
-    "send_timeout": ({"send_timeout": "61"}, {"server.session.send_timeout": 61.0}),
-    "keepalive_time": ({"keepalive_time": "62"}, {"server.keepalive_time": 62.0}),
-    "keepalive_timeout": ({"keepalive_timeout": "6"}, {"server.keepalive_timeout": 6.0}),
-    "min_client_ping_interval": (
-        {"min_client_ping_interval": "4"},
-        {"server.ping_policy.min_interval": 4.0},
-    ),
-    "ping_strikes": ({"ping_strikes": "3"}, {"server.ping_policy.max_strikes": 3}),
-    "handshake_timeout": (
-        {"handshake_timeout": "7"},
-        {"server.protocol_limits.handshake_timeout": 7.0},
-    ),
-    "max_stream_resets_per_second": (
-        {"max_stream_resets_per_second": "104"},
-        {"server.protocol_limits.max_resets_per_second": 104.0},
-    ),
+    "tls_cert": ("c.pem", {"server.tls": TlsFiles(CERT, KEY)}),
+    "tls_key": ("k.pem", {"server.tls": TlsFiles(CERT, KEY)}),
+    "tls_client_ca": ("ca.pem", {"server.tls": TlsFiles(CERT, KEY, CA)}),
+    "tls_reload_interval": ("31", "server.tls_reload_interval"),
+    "namespaces": ("a,b", "watch.namespaces"),
+    "label_selector": ("app=x", "watch.label_selector"),
+    "watch_timeout": ("301", "watch.watch_timeout"),
+    "idle_timeout": ("121", "server.session.idle_timeout"),
+    "roles": ("FdAgent,Other", "registry.roles"),
+    "snapshot_roles": ("CCAgent", {"server.session.snapshot_roles": frozenset({"CCAgent"})}),
+    "max_subscriptions_per_role": ("21", "registry.max_subscriptions_per_role"),
+    "max_subscriptions_per_role_per_ip": ("11", "registry.max_subscriptions_per_role_per_ip"),
+    "max_registrations": ("1025", "registry.max_registrations"),
+    "max_registrations_per_ip": ("129", "registry.max_registrations_per_ip"),
+    "registration_ttl": ("302", "registry.ttl"),
+    "max_pending_messages": ("1026", "broadcaster.max_pending"),
+    "max_pending_bytes": ("67108865", "broadcaster.max_pending_bytes"),
+    "send_timeout": ("61", "server.session.send_timeout"),
+    "keepalive_time": ("62", "server.keepalive_time"),
+    "keepalive_timeout": ("6", "server.keepalive_timeout"),
+    "min_client_ping_interval": ("4", "server.ping_policy.min_interval"),
+    "ping_strikes": ("3", "server.ping_policy.max_strikes"),
+    "handshake_timeout": ("7", "server.protocol_limits.handshake_timeout"),
+    "max_stream_resets_per_second": ("104", "server.protocol_limits.max_resets_per_second"),
     "max_control_frames_per_second": (
-        {"max_control_frames_per_second": "501"},
-        {"server.protocol_limits.max_control_frames_per_second": 501.0},
+        "501",
+        "server.protocol_limits.max_control_frames_per_second",
     ),
-    "read_bytes_per_turn": (
-        {"read_bytes_per_turn": "16385"},
-        {"server.protocol_limits.read_bytes_per_turn": 16385},
-    ),
-    "write_stall_timeout": (
-        {"write_stall_timeout": "33"},
-        {"server.protocol_limits.write_stall_timeout": 33.0},
-    ),
-    "max_request_bytes": ({"max_request_bytes": "4194305"}, {"server.max_request_bytes": 4194305}),
-    "max_send_bytes": ({"max_send_bytes": "4194306"}, {"broadcaster.max_message_bytes": 4194306}),
-    "max_connections": ({"max_connections": "1027"}, {"server.limits.max_connections": 1027}),
-    "max_connections_per_ip": (
-        {"max_connections_per_ip": "513"},
-        {"server.limits.max_connections_per_ip": 513},
-    ),
-    "max_streams_per_connection": (
-        {"max_streams_per_connection": "65"},
-        {"server.limits.max_streams_per_connection": 65},
-    ),
-    "register_rate": ({"register_rate": "102"}, {"server.limits.register_rate": 102.0}),
-    "register_burst": ({"register_burst": "201"}, {"server.limits.register_burst": 201}),
-    "subscribe_rate": ({"subscribe_rate": "103"}, {"server.limits.subscribe_rate": 103.0}),
-    "subscribe_burst": ({"subscribe_burst": "202"}, {"server.limits.subscribe_burst": 202}),
-    "shutdown_grace": ({"shutdown_grace": "8"}, {"server.shutdown_grace": 8.0}),
+    "read_bytes_per_turn": ("16385", "server.protocol_limits.read_bytes_per_turn"),
+    "write_stall_timeout": ("33", "server.protocol_limits.write_stall_timeout"),
+    "max_request_bytes": ("4194305", "server.max_request_bytes"),
+    "max_send_bytes": ("4194306", "broadcaster.max_message_bytes"),
+    "max_connections": ("1027", "server.limits.max_connections"),
+    "max_connections_per_ip": ("513", "server.limits.max_connections_per_ip"),
+    "max_streams_per_connection": ("65", "server.limits.max_streams_per_connection"),
+    "register_rate": ("102", "server.limits.register_rate"),
+    "register_burst": ("201", "server.limits.register_burst"),
+    "subscribe_rate": ("103", "server.limits.subscribe_rate"),
+    "subscribe_burst": ("202", "server.limits.subscribe_burst"),
+    "shutdown_grace": ("8", "server.shutdown_grace"),
 }
+# Settings load_config accepts only together with others: the TLS files.
+TLS = {"tls_cert": "c.pem", "tls_key": "k.pem"}
+NEEDS = {name: TLS for name in ("tls_cert", "tls_key", "tls_client_ca")}
 
 # Settings no layer takes: the module that reads them from its Config instead.
 READ_BY_MODULE = {
@@ -188,10 +153,10 @@ def test_every_setting_is_taken_by_a_layer_or_read_by_a_module() -> None:
 
 @pytest.mark.parametrize("name", sorted(REACHES))
 def test_a_setting_reaches_its_layer(name: str) -> None:
-    keywords, expected = REACHES[name]
-    assert name in keywords
-    config = configure(**keywords)
+    value, reaches = REACHES[name]
+    config = configure(**{**NEEDS.get(name, {}), name: value})
     assert getattr(config, name) != getattr(DEFAULTS, name), "not a new value"
+    expected = {reaches: getattr(config, name)} if isinstance(reaches, str) else reaches
     before, after = built(DEFAULTS), built(config)
     changed = {path: after.get(path) for path in before.keys() | after.keys()}
     changed = {path: value for path, value in changed.items() if value != before.get(path)}
