@@ -64,8 +64,7 @@ class RunningJobsignal:
     """
 
     def __init__(self, parts: ServerParts, shutdown: trio.Event, metrics_port: int | None) -> None:
-        # For tests and diagnostics only; not API.
-        self._parts = parts
+        self._parts = parts  # for tests and diagnostics only; not API
         self._shutdown = shutdown
         self._metrics_port = metrics_port
 
