@@ -18,7 +18,7 @@ async def main(count: int) -> None:
     config = jobsignal.configure(listen="127.0.0.1:0", source="demo", log_level="warning")
     async with trio.open_nursery() as nursery:
         server: jobsignal.RunningJobsignal = await nursery.start(jobsignal.serve, config)
-        await server.status.ready.wait()
+        await server.ready.wait()
         options = jobsignal.SubscribeOptions("127.0.0.1", server.port, role="CCAgent")
         async with jobsignal.open_subscription(options) as signals:
             received = 0

@@ -6,9 +6,11 @@ the package is private and may change.
 Run a server inside your own nursery::
 
     config = jobsignal.configure(listen="127.0.0.1:0", source="demo")
-    server = await nursery.start(jobsignal.serve, config)
-    ...                          # server.host, server.port, server.status.ready
+    server = await nursery.start(jobsignal.serve, config)   # a RunningJobsignal
+    await server.ready.wait()    # the first LIST is applied; also server.host, server.port,
+                                 # server.addresses, server.metrics_port
     server.request_shutdown()    # streams end with UNAVAILABLE "server shutting down"
+    await server.stopped.wait()
 
 Subscribe from trio, with keepalive, re-registration and backoff built in::
 

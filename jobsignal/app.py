@@ -30,13 +30,9 @@ from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.metrics import MetricSources, build_registry
 from jobsignal.metrics_server import HttpStats, run_metrics_server
-from jobsignal.rpc.activity import PingPolicy
-from jobsignal.rpc.guard import ProtocolLimits
-from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
-from jobsignal.rpc.session import SessionSettings
-from jobsignal.rpc.tls import TlsConfigError, TlsFiles, build_context
+from jobsignal.rpc.tls import TlsConfigError, build_context
 from jobsignal.sim.demo import run_demo_cluster
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
@@ -44,28 +40,61 @@ from jobsignal.store import JobStore
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RunningJobsignal:
-    """A started server, as `run_jobsignal` reports it to `nursery.start`."""
+@dataclass(frozen=True)
+class ServerParts:
+    """The running pieces of a server, for tests and diagnostics: not API, may change."""
 
-    host: str
-    port: int
-    metrics_port: int | None
     broadcaster: Broadcaster
     registry: Registry
     store: JobStore
     status: SourceStatus
     watcher: Watcher
     grpc: RunningServer
-    shutdown: trio.Event
+
+
+class RunningJobsignal:
+    """A started server, as `serve` (`run_jobsignal`) reports it to `nursery.start`.
+
+    `host` and `port` are the first gRPC listen address as bound (port 0 asked:
+    the port the system chose); `addresses` every bound gRPC socket, one per
+    --listen address (two for a host-less `:PORT` on a host with IPv4 and
+    IPv6). `metrics_port` is the bound --metrics-listen port, None when off.
+    `ready` is set once every watched scope's first LIST is applied (health
+    turns SERVING), `stopped` once the gRPC server has shut down.
+    """
+
+    def __init__(self, parts: ServerParts, shutdown: trio.Event, metrics_port: int | None) -> None:
+        self._parts = parts  # for tests and diagnostics only; not API
+        self._shutdown = shutdown
+        self._metrics_port = metrics_port
+
+    @property
+    def host(self) -> str:
+        return self._parts.grpc.host
+
+    @property
+    def port(self) -> int:
+        return self._parts.grpc.port
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        return tuple(self._parts.grpc.addresses)
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_port
+
+    @property
+    def ready(self) -> trio.Event:
+        return self._parts.status.ready
 
     @property
     def stopped(self) -> trio.Event:
-        return self.grpc.stopped
+        return self._parts.grpc.stopped
 
     def request_shutdown(self) -> None:
         """End every stream with UNAVAILABLE, stop the server, return from run_jobsignal."""
-        self.shutdown.set()
+        self._shutdown.set()
 
     @asynccontextmanager
     async def open_subscription(self, *, snapshot: bool = True) -> AsyncIterator[JobEvents]:
@@ -76,8 +105,8 @@ class RunningJobsignal:
         like a stream's (`--max-pending-messages`, `--max-pending-bytes`); the
         channel ends when the server shuts down. Leaving the block closes it.
         """
-        await self.status.ready.wait()
-        events = JobEvents(self.broadcaster, snapshot=snapshot)
+        await self.ready.wait()
+        events = JobEvents(self._parts.broadcaster, snapshot=snapshot)
         try:
             yield events
         finally:
@@ -85,66 +114,15 @@ class RunningJobsignal:
 
 
 def server_settings(config: Config) -> ServerSettings:
-    (host, port), *more = config.listen
-    return ServerSettings(
-        host=host,
-        port=port,
-        more_addresses=tuple(more),
-        session=SessionSettings(
-            idle_timeout=config.idle_timeout,
-            send_timeout=config.send_timeout,
-            snapshot_roles=frozenset(config.snapshot_roles),
-        ),
-        ping_policy=PingPolicy(config.min_client_ping_interval, config.ping_strikes),
-        keepalive_time=config.keepalive_time,
-        keepalive_timeout=config.keepalive_timeout,
-        shutdown_grace=config.shutdown_grace,
-        max_request_bytes=config.max_request_bytes,
-        tls=tls_files(config),
-        limits=Limits(
-            max_connections=config.max_connections,
-            max_connections_per_ip=config.max_connections_per_ip,
-            max_streams_per_connection=config.max_streams_per_connection,
-            register_rate=config.register_rate,
-            register_burst=config.register_burst,
-            subscribe_rate=config.subscribe_rate,
-            subscribe_burst=config.subscribe_burst,
-        ),
-        tls_reload_interval=config.tls_reload_interval,
-        protocol_limits=ProtocolLimits(
-            handshake_timeout=config.handshake_timeout,
-            max_resets_per_second=config.max_stream_resets_per_second,
-            max_control_frames_per_second=config.max_control_frames_per_second,
-            read_bytes_per_turn=config.read_bytes_per_turn,
-            write_stall_timeout=config.write_stall_timeout,
-        ),
-    )
-
-
-def registry_for(config: Config) -> Registry:
-    return Registry(
-        roles=config.roles,
-        max_registrations=config.max_registrations,
-        max_subscriptions_per_role=config.max_subscriptions_per_role,
-        ttl=config.registration_ttl,
-        max_registrations_per_ip=config.max_registrations_per_ip,
-        max_subscriptions_per_role_per_ip=config.max_subscriptions_per_role_per_ip,
-    )
-
-
-def tls_files(config: Config) -> TlsFiles | None:
-    if not config.tls_cert:
-        return None
-    files = TlsFiles(
-        Path(config.tls_cert),
-        Path(config.tls_key),
-        Path(config.tls_client_ca) if config.tls_client_ca else None,
-    )
-    try:
-        build_context(files)  # fail at start-up, with the file named, not at the first client
-    except TlsConfigError as error:
-        raise ConfigError(str(error)) from None
-    return files
+    """The gRPC server's settings, its TLS files loaded once: a broken one is a
+    ConfigError at start-up, with the file named, not a failure at the first client."""
+    settings = ServerSettings.from_config(config)
+    if settings.tls is not None:
+        try:
+            build_context(settings.tls)
+        except TlsConfigError as error:
+            raise ConfigError(str(error)) from None
+    return settings
 
 
 def choose_connection(config: Config, environ: Mapping[str, str]) -> KubeConnection | None:
@@ -176,11 +154,7 @@ async def run_source(
     *,
     task_status: trio.TaskStatus[Watcher] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    settings = WatchSettings(
-        label_selector=config.label_selector,
-        namespaces=config.namespaces,
-        watch_timeout=config.watch_timeout,
-    )
+    settings = WatchSettings.from_config(config)
     async with trio.open_nursery() as nursery:
         if connection is None:
             log.warning("no Kubernetes cluster configured: serving the embedded DEMO cluster")
@@ -306,12 +280,8 @@ async def run_jobsignal(
         shutdown = trio.Event()
     store = JobStore()
     status = SourceStatus()
-    broadcaster = Broadcaster(
-        max_pending=config.max_pending_messages,
-        max_pending_bytes=config.max_pending_bytes,
-        max_message_bytes=config.max_send_bytes,
-    )
-    registry = registry_for(config)
+    broadcaster = Broadcaster.from_config(config)
+    registry = Registry.from_config(config)
     draining = trio.Event()
     async with trio.open_nursery() as nursery:
         if handle_signals:
@@ -347,19 +317,7 @@ async def run_jobsignal(
                 build_registry(sources),
             )
         nursery.start_soon(_freeze_after_first_list, status)
-        task_status.started(
-            RunningJobsignal(
-                server.host,
-                server.port,
-                metrics_port,
-                broadcaster,
-                registry,
-                store,
-                status,
-                watcher,
-                server,
-                shutdown,
-            )
-        )
+        parts = ServerParts(broadcaster, registry, store, status, watcher, server)
+        task_status.started(RunningJobsignal(parts, shutdown, metrics_port))
         await server.stopped.wait()
         nursery.cancel_scope.cancel()

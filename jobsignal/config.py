@@ -1,11 +1,15 @@
-"""Settings of `jobsignal serve`: one table gives each its flag, env var, default and check,
-its --help group (the table is written in sections) and the kind of value it takes (SECONDS,
-BYTES, HOST:PORT: named after the parser that checks it).
+"""Settings of `jobsignal serve`: each declared once, as a field of `Config` carrying its
+flag, env var, default, check, help and --help group, and the kind of value it takes
+(SECONDS, BYTES, HOST:PORT: named after the parser that checks it). SERVE_SETTINGS, the
+command line, the README table and `DEFAULTS` come from there. Each layer's settings
+are a `LayerSettings` dataclass whose fields name what they read (`from_setting`), which
+gives both their defaults and `from_config`; the layers keep no default of their own.
 
 Precedence: command-line flag, then environment variable, then default. A bad
 value raises `ConfigError` with one line naming the setting, where it came
 from and what is accepted; the CLI prints it and exits with status 2.
 `SUBSCRIBE_SETTINGS` are the TLS settings of `jobsignal subscribe`, read the same way.
+This module imports no other part of jobsignal: every layer may import it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self, TypeVar, cast
 
 
 class ConfigError(Exception):
@@ -137,8 +141,8 @@ _VALUE_NAMES: dict[Callable[[str], Any], str] = {
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting; `group` is its --help section (set by the table it is in), and
-    `metavar`, when set, overrides the value name derived from `parse`."""
+    """One setting: its flag and env var come from `name`; `group` is its --help
+    section, and `metavar`, when set, overrides the value name derived from `parse`."""
 
     name: str
     default: str
@@ -171,235 +175,283 @@ class Setting:
         return self.parse.choices if isinstance(self.parse, _Choice) else ()
 
 
-def _in_groups(*items: str | Setting) -> tuple[Setting, ...]:
-    """A settings table written in sections: each string names the --help group of
-    the settings after it (a title may come back: its flags are shown together)."""
-    group = ""
-    settings: list[Setting] = []
-    for item in items:
-        if isinstance(item, str):
-            group = item
-        else:
-            settings.append(item if item.group else dataclasses.replace(item, group=group))
-    return tuple(settings)
+_SETTING = "jobsignal.setting"
+_T = TypeVar("_T")
 
 
-SERVE_SETTINGS: tuple[Setting, ...] = _in_groups(
-    "gRPC",
-    Setting(
-        "listen",
+def setting(
+    default: str, parse: Callable[[str], _T], help: str, *, group: str, metavar: str = ""
+) -> _T:
+    """A Config field that declares its setting: the default (as the command line
+    would spell it), the parser that checks it, its help and its --help group.
+
+    Typed as what `parse` returns, so mypy checks the parser against the
+    field's annotation; the field itself has no default (`load_config` gives
+    every one).
+    """
+    declared = Setting("", default, parse, help, metavar=metavar, group=group)
+    return cast(_T, dataclasses.field(metadata={_SETTING: declared}))
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every `serve` setting, validated, built by `load_config` (flags, environment,
+    defaults) or `configure` (keywords, defaults).
+
+    Each field is the one declaration of its setting (`setting(...)`): name,
+    flag, env var, type, default, help and --help group. SERVE_SETTINGS, the
+    command line, the README table and the layers' defaults (`DEFAULTS`) are
+    all derived from it, in this order; a --help group is listed where its
+    first setting is, and a title that comes back shows its flags together.
+    """
+
+    listen: tuple[tuple[str, int], ...] = setting(
         ":8899",
         parse_listen_list,
         "gRPC listen addresses, comma-separated HOST:PORT, [IPv6]:PORT or :PORT (every"
         " address: IPv4 and IPv6 where the host has both)",
-    ),
-    "TLS",
-    Setting("tls_cert", "", _path, "PEM certificate chain: serve gRPC over TLS"),
-    Setting("tls_key", "", _path, "PEM private key of --tls-cert"),
-    Setting(
-        "tls_client_ca",
+        group="gRPC",
+    )
+    tls_cert: str = setting("", _path, "PEM certificate chain: serve gRPC over TLS", group="TLS")
+    tls_key: str = setting("", _path, "PEM private key of --tls-cert", group="TLS")
+    tls_client_ca: str = setting(
         "",
         _path,
         "PEM CA bundle: require client certificates signed by it (mutual TLS)",
-    ),
-    Setting(
-        "tls_reload_interval",
+        group="TLS",
+    )
+    tls_reload_interval: float = setting(
         "30",
         _positive_float,
         "seconds between checks of the TLS files; changed files are reloaded live",
-    ),
-    "metrics",
-    Setting(
-        "metrics_listen",
+        group="TLS",
+    )
+    metrics_listen: tuple[str, int] | None = setting(
         "",
         _optional_listen,
         "plain-HTTP HOST:PORT serving /metrics, /readyz, /livez and /healthz (empty: off)",
-    ),
-    "Kubernetes",
-    Setting(
-        "source",
+        group="metrics",
+    )
+    source: str = setting(
         "auto",
         _choice("auto", "kubernetes", "demo"),
         "where ConfigMaps come from: kubernetes (in-cluster or kubeconfig), demo (embedded"
         " emulated cluster), or auto (kubernetes when configured, else demo)",
-    ),
-    Setting("kubeconfig", "", _path, "kubeconfig file (default: KUBECONFIG, ~/.kube/config)"),
-    Setting("context", "", _text, "kubeconfig context (default: current-context)", metavar="NAME"),
-    Setting("namespaces", "", _names, "namespaces to watch, comma-separated (default: all)"),
-    Setting(
-        "label_selector",
+        group="Kubernetes",
+    )
+    kubeconfig: str = setting(
+        "", _path, "kubeconfig file (default: KUBECONFIG, ~/.kube/config)", group="Kubernetes"
+    )
+    context: str = setting(
+        "",
+        _text,
+        "kubeconfig context (default: current-context)",
+        metavar="NAME",
+        group="Kubernetes",
+    )
+    namespaces: tuple[str, ...] = setting(
+        "", _names, "namespaces to watch, comma-separated (default: all)", group="Kubernetes"
+    )
+    label_selector: str = setting(
         "outside-job-info=true",
         _text,
         "label selector of job ConfigMaps",
         metavar="SELECTOR",
-    ),
-    Setting("watch_timeout", "300", _positive_float, "timeoutSeconds asked of each WATCH"),
-    Setting(
-        "read_timeout",
+        group="Kubernetes",
+    )
+    watch_timeout: float = setting(
+        "300", _positive_float, "timeoutSeconds asked of each WATCH", group="Kubernetes"
+    )
+    read_timeout: float = setting(
         "90",
         _positive_float,
         "restart a WATCH silent for this long (above the ~60 s bookmark interval)",
-    ),
-    "gRPC",
-    Setting(
-        "idle_timeout",
+        group="Kubernetes",
+    )
+    idle_timeout: float = setting(
         "120",
         _positive_float,
         "close a stream with no message and no client heartbeat for this long (seconds)",
-    ),
-    Setting(
-        "roles",
+        group="gRPC",
+    )
+    roles: tuple[str, ...] = setting(
         "CCAgent,DefaultUser1,DefaultUser2,FdAgent",
         _names,
         "roles allowed to Register, comma-separated",
         metavar="ROLE,...",
-    ),
-    Setting(
-        "snapshot_roles",
+        group="gRPC",
+    )
+    snapshot_roles: tuple[str, ...] = setting(
         "FdAgent",
         _names,
         "roles whose SubscribeJobSummarySignal starts with the current state of every job",
         metavar="ROLE,...",
-    ),
-    "limits",
-    Setting("max_subscriptions_per_role", "20", _positive_int, "active subscriptions per role"),
-    Setting(
-        "max_subscriptions_per_role_per_ip",
+        group="gRPC",
+    )
+    max_subscriptions_per_role: int = setting(
+        "20", _positive_int, "active subscriptions per role", group="limits"
+    )
+    max_subscriptions_per_role_per_ip: int = setting(
         "10",
         _positive_int,
         "active subscriptions of one role held by one client address (keep it below"
         " --max-subscriptions-per-role, or one address can take all of a role's slots)",
-    ),
-    Setting("max_registrations", "1024", _positive_int, "registered client ids held at once"),
-    Setting(
-        "max_registrations_per_ip",
+        group="limits",
+    )
+    max_registrations: int = setting(
+        "1024", _positive_int, "registered client ids held at once", group="limits"
+    )
+    max_registrations_per_ip: int = setting(
         "128",
         _positive_int,
         "registered ids not yet subscribed held by one client address (keep it below"
         " --max-registrations, or one address can fill the registry)",
-    ),
-    Setting(
-        "registration_ttl",
+        group="limits",
+    )
+    registration_ttl: float = setting(
         "300",
         _positive_float,
         "seconds a registered id may wait for its subscription before it expires",
-    ),
-    Setting(
-        "max_pending_messages",
+        group="limits",
+    )
+    max_pending_messages: int = setting(
         "1024",
         _positive_int,
         "messages queued per subscriber (after coalescing per job) before it is"
         " disconnected with RESOURCE_EXHAUSTED",
-    ),
-    Setting(
-        "max_pending_bytes",
-        "67108864",
-        _bytes,
-        "bytes queued per subscriber before it is disconnected",
-    ),
-    Setting(
-        "send_timeout",
+        group="limits",
+    )
+    max_pending_bytes: int = setting(
+        "67108864", _bytes, "bytes queued per subscriber before it is disconnected", group="limits"
+    )
+    send_timeout: float = setting(
         "60",
         _positive_float,
         "a write blocked this long (client not reading) disconnects the client",
-    ),
-    "keepalive",
-    Setting("keepalive_time", "60", _positive_float, "server PING interval to find dead peers"),
-    Setting("keepalive_timeout", "5", _positive_float, "seconds to wait for a PING ACK"),
-    Setting(
-        "min_client_ping_interval",
+        group="limits",
+    )
+    keepalive_time: float = setting(
+        "60", _positive_float, "server PING interval to find dead peers", group="keepalive"
+    )
+    keepalive_timeout: float = setting(
+        "5", _positive_float, "seconds to wait for a PING ACK", group="keepalive"
+    )
+    min_client_ping_interval: float = setting(
         "3",
         _positive_float,
         "client PINGs while no data flows closer than this (less 10% for timer jitter) are"
         " strikes; 3 s is ClusterD v26's policy",
-    ),
-    Setting(
-        "ping_strikes",
+        group="keepalive",
+    )
+    ping_strikes: int = setting(
         "2",
         _positive_int,
         "strikes allowed before GOAWAY ENHANCE_YOUR_CALM too_many_pings",
-    ),
-    "HTTP/2 protection",
-    Setting(
-        "handshake_timeout",
+        group="keepalive",
+    )
+    handshake_timeout: float = setting(
         "5",
         _positive_float,
         "seconds a new connection has to finish TLS and send the HTTP/2 preface and SETTINGS",
-    ),
-    Setting(
-        "max_stream_resets_per_second",
+        group="HTTP/2 protection",
+    )
+    max_stream_resets_per_second: float = setting(
         "100",
         _per_second,
         "RST_STREAM frames per second one connection may send (bursts of twice as many);"
         " beyond: GOAWAY ENHANCE_YOUR_CALM rapid_reset",
-    ),
-    Setting(
-        "max_control_frames_per_second",
+        group="HTTP/2 protection",
+    )
+    max_control_frames_per_second: float = setting(
         "500",
         _per_second,
         "frames other than HEADERS and CONTINUATION (SETTINGS, PING, WINDOW_UPDATE, DATA, ...)"
         " per second one connection may send (bursts of twice as many, plus 2 per frame the"
         " server sends); beyond: GOAWAY ENHANCE_YOUR_CALM control_flood",
-    ),
-    Setting(
-        "read_bytes_per_turn",
+        group="HTTP/2 protection",
+    )
+    read_bytes_per_turn: int = setting(
         "16384",
         _bytes,
         "bytes of one connection's input handled per event-loop turn (fairness between peers)",
-    ),
-    Setting(
-        "write_stall_timeout",
+        group="HTTP/2 protection",
+    )
+    write_stall_timeout: float = setting(
         "30",
         _positive_float,
         "seconds a connection may leave the server unable to write (the peer does not read)"
         " before it is closed; meanwhile the server stops reading from it",
-    ),
-    "limits",
-    Setting("max_request_bytes", "4194304", _bytes, "largest request message accepted"),
-    Setting(
-        "max_send_bytes",
+        group="HTTP/2 protection",
+    )
+    max_request_bytes: int = setting(
+        "4194304", _bytes, "largest request message accepted", group="limits"
+    )
+    max_send_bytes: int = setting(
         "4194304",
         _bytes,
         "largest message sent; a bigger job event goes out with an empty HcclJson (the"
         " default is gRPC clients' default receive limit; raise both together)",
-    ),
-    Setting("max_connections", "1024", _positive_int, "open connections in total"),
-    Setting("max_connections_per_ip", "512", _positive_int, "open connections per client address"),
-    Setting("max_streams_per_connection", "64", _positive_int, "concurrent RPCs on one connection"),
-    Setting("register_rate", "100", _per_second, "Register calls per second per address"),
-    Setting("register_burst", "200", _positive_int, "Register calls allowed in a burst"),
-    Setting("subscribe_rate", "100", _per_second, "Subscribe calls per second per address"),
-    Setting("subscribe_burst", "200", _positive_int, "Subscribe calls allowed in a burst"),
-    "shutdown",
-    Setting(
-        "drain_delay",
+        group="limits",
+    )
+    max_connections: int = setting(
+        "1024", _positive_int, "open connections in total", group="limits"
+    )
+    max_connections_per_ip: int = setting(
+        "512", _positive_int, "open connections per client address", group="limits"
+    )
+    max_streams_per_connection: int = setting(
+        "64", _positive_int, "concurrent RPCs on one connection", group="limits"
+    )
+    register_rate: float = setting(
+        "100", _per_second, "Register calls per second per address", group="limits"
+    )
+    register_burst: int = setting(
+        "200", _positive_int, "Register calls allowed in a burst", group="limits"
+    )
+    subscribe_rate: float = setting(
+        "100", _per_second, "Subscribe calls per second per address", group="limits"
+    )
+    subscribe_burst: int = setting(
+        "200", _positive_int, "Subscribe calls allowed in a burst", group="limits"
+    )
+    drain_delay: float = setting(
         "5",
         _non_negative_float,
         "on SIGTERM/SIGINT, seconds of health NOT_SERVING and /readyz 503 while live streams"
         " are still served, so load balancers stop sending new clients, before the shutdown",
-    ),
-    Setting("shutdown_grace", "5", _positive_float, "seconds streams get to end on shutdown"),
-    "logging",
-    Setting(
-        "log_level",
+        group="shutdown",
+    )
+    shutdown_grace: float = setting(
+        "5", _positive_float, "seconds streams get to end on shutdown", group="shutdown"
+    )
+    log_level: str = setting(
         "info",
         _choice("debug", "info", "warning", "error", any_case=True),
         "log level",
-    ),
-    Setting("log_format", "text", _choice("text", "json"), "log format: text or json lines"),
+        group="logging",
+    )
+    log_format: str = setting(
+        "text", _choice("text", "json"), "log format: text or json lines", group="logging"
+    )
+
+
+# The settings of `jobsignal serve`, in declaration order.
+SERVE_SETTINGS: tuple[Setting, ...] = tuple(
+    dataclasses.replace(field.metadata[_SETTING], name=field.name)
+    for field in dataclasses.fields(Config)
 )
 
 
 # `jobsignal subscribe`'s TLS; env vars JOBSIGNAL_SUBSCRIBE_*, apart from serve's own files.
 _SUBSCRIBE_ENV = "JOBSIGNAL_SUBSCRIBE_"
-SUBSCRIBE_SETTINGS: tuple[Setting, ...] = _in_groups(
-    "TLS",
+SUBSCRIBE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "tls_ca",
         "",
         _path,
         "PEM CA bundle verifying the server: connect over TLS ('system': the system's trust store)",
         _SUBSCRIBE_ENV,
+        group="TLS",
     ),
     Setting(
         "tls_cert",
@@ -407,8 +459,9 @@ SUBSCRIBE_SETTINGS: tuple[Setting, ...] = _in_groups(
         _path,
         "PEM client certificate chain for mutual TLS (needs --tls-ca)",
         _SUBSCRIBE_ENV,
+        group="TLS",
     ),
-    Setting("tls_key", "", _path, "PEM private key of --tls-cert", _SUBSCRIBE_ENV),
+    Setting("tls_key", "", _path, "PEM private key of --tls-cert", _SUBSCRIBE_ENV, group="TLS"),
     Setting(
         "tls_server_name",
         "",
@@ -416,61 +469,9 @@ SUBSCRIBE_SETTINGS: tuple[Setting, ...] = _in_groups(
         "name the server's certificate must carry (default: the --target host)",
         _SUBSCRIBE_ENV,
         metavar="NAME",
+        group="TLS",
     ),
 )
-
-
-@dataclass(frozen=True)
-class Config:
-    """Every `serve` setting, validated: one field per row of SERVE_SETTINGS, built by
-    `load_config` (flags, environment, defaults) or `configure` (keywords, defaults)."""
-
-    listen: tuple[tuple[str, int], ...]
-    tls_cert: str
-    tls_key: str
-    tls_client_ca: str
-    tls_reload_interval: float
-    metrics_listen: tuple[str, int] | None
-    source: str
-    kubeconfig: str
-    context: str
-    namespaces: tuple[str, ...]
-    label_selector: str
-    watch_timeout: float
-    read_timeout: float
-    idle_timeout: float
-    roles: tuple[str, ...]
-    snapshot_roles: tuple[str, ...]
-    max_subscriptions_per_role: int
-    max_subscriptions_per_role_per_ip: int
-    max_registrations: int
-    max_registrations_per_ip: int
-    registration_ttl: float
-    max_pending_messages: int
-    max_pending_bytes: int
-    send_timeout: float
-    keepalive_time: float
-    keepalive_timeout: float
-    min_client_ping_interval: float
-    ping_strikes: int
-    handshake_timeout: float
-    max_stream_resets_per_second: float
-    max_control_frames_per_second: float
-    read_bytes_per_turn: int
-    write_stall_timeout: float
-    max_request_bytes: int
-    max_send_bytes: int
-    max_connections: int
-    max_connections_per_ip: int
-    max_streams_per_connection: int
-    register_rate: float
-    register_burst: int
-    subscribe_rate: float
-    subscribe_burst: int
-    drain_delay: float
-    shutdown_grace: float
-    log_level: str
-    log_format: str
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings: Sequence[Setting]) -> None:
@@ -529,8 +530,33 @@ def load_config(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> 
     return config
 
 
+# Every setting at its default: the layers' keyword defaults read it, so a default is
+# written once, in its `setting(...)` above.
+DEFAULTS: Config = load_config({}, {})
+
+
 def defaults() -> Config:
-    return load_config({}, {})
+    return DEFAULTS
+
+
+_READ = "jobsignal.reads_setting"
+
+
+def from_setting(read: Callable[[Config], _T]) -> _T:
+    """A field of a layer's settings (a `LayerSettings` dataclass) that `read` takes
+    from a Config, converted as the layer keeps it (`lambda c: frozenset(c.roles)`);
+    its default is read from DEFAULTS, so it cannot disagree with the setting's."""
+    return dataclasses.field(default=read(DEFAULTS), metadata={_READ: read})
+
+
+class LayerSettings:
+    """Base of a layer's settings dataclass: `from_config` fills every field declared
+    with `from_setting`; the other fields keep their defaults."""
+
+    @classmethod
+    def from_config(cls, config: Config) -> Self:
+        fields = dataclasses.fields(cast(Any, cls))
+        return cls(**{f.name: f.metadata[_READ](config) for f in fields if _READ in f.metadata})
 
 
 def configure(**settings: object) -> Config:

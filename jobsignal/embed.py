@@ -37,11 +37,7 @@ async def watch_jobs(
     """
     connection = choose_connection(config, environ)
     store, status = JobStore(), SourceStatus()
-    broadcaster = Broadcaster(
-        max_pending=config.max_pending_messages,
-        max_pending_bytes=config.max_pending_bytes,
-        max_message_bytes=config.max_send_bytes,
-    )
+    broadcaster = Broadcaster.from_config(config)
     raised: BaseException | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(run_source, config, connection, store, broadcaster, status)

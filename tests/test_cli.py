@@ -78,6 +78,22 @@ def test_source_kubernetes_without_a_cluster_exits_2(
     assert "no Kubernetes configuration found" in capsys.readouterr().err
 
 
+def test_help_groups_keep_their_order_and_each_flag_its_group(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    titles = ["gRPC", "TLS", "metrics", "Kubernetes", "limits", "keepalive"]
+    titles += ["HTTP/2 protection", "shutdown", "logging"]
+    found = re.findall(r"^(\S[^\n]*):$", help_text, re.M)
+    assert found == ["options", *titles]
+    # A title that comes back in the declarations lists its flags together.
+    sections = dict(zip(titles, re.split(r"^\S[^\n]*:$", help_text, flags=re.M)[2:], strict=True))
+    for setting in SERVE_SETTINGS:
+        assert f"  {setting.flag} " in sections[setting.group], setting.name
+
+
 def test_readme_configuration_table_matches_the_code() -> None:
     readme = (ROOT / "README.md").read_text()
     configuration = readme.split("\n## Configuration\n", 1)[1]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import trio
 
 import jobsignal
 
@@ -70,6 +73,39 @@ def test_the_docstring_check_sees_through_generated_ones() -> None:
     assert has_written_docstring(has_written_docstring)
 
 
+def test_a_running_server_shows_only_what_embedders_need() -> None:
+    public = {name for name in vars(jobsignal.RunningJobsignal) if not name.startswith("_")}
+    assert public == {
+        "addresses",
+        "host",
+        "metrics_port",
+        "open_subscription",
+        "port",
+        "ready",
+        "request_shutdown",
+        "stopped",
+    }
+
+
+async def test_a_running_server_reports_its_addresses_readiness_and_end() -> None:
+    config = jobsignal.configure(
+        listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", source="demo", drain_delay=0
+    )
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server: jobsignal.RunningJobsignal = await nursery.start(
+                functools.partial(jobsignal.serve, config, environ={})
+            )
+            assert server.host == "127.0.0.1" and server.port > 0
+            assert server.addresses == (("127.0.0.1", server.port),)
+            assert server.metrics_port is not None and server.metrics_port > 0
+            assert server.metrics_port != server.port
+            await server.ready.wait()  # the demo cluster's first LIST is applied
+            assert not server.stopped.is_set()
+            server.request_shutdown()
+            await server.stopped.wait()
+
+
 def test_configure_validates_like_the_command_line() -> None:
     config = jobsignal.configure(
         listen="127.0.0.1:0", idle_timeout=30, roles="CCAgent", snapshot_roles=""
@@ -84,11 +120,14 @@ def test_configure_validates_like_the_command_line() -> None:
 
 
 def test_example_program_runs() -> None:
+    # This checkout's jobsignal, not whichever one the interpreter has installed.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "embed.py"), "3"],
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "PYTHONPATH": path},
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

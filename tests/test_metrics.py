@@ -167,7 +167,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
         async with trio.open_nursery() as nursery:
             server: RunningJobsignal = await nursery.start(run_jobsignal, config)
             assert server.metrics_port is not None
-            await server.status.ready.wait()
+            await server.ready.wait()
 
             async def subscriber(role: str, keepalive: float) -> None:
                 # A long backoff: the idle-closed one does not come back during the test.
@@ -182,7 +182,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
             # One subscriber that pings every 0.5 s, one silent one (closed when idle).
             nursery.start_soon(subscriber, "CCAgent", 0.5)
             nursery.start_soon(subscriber, "FdAgent", 600)
-            await wait_for(lambda: len(server.broadcaster.subscribers) == 2)
+            await wait_for(lambda: len(server._parts.broadcaster.subscribers) == 2)
             first = await scrape(server.metrics_port)
             assert first.series("jobsignal_subscribers") == {
                 frozenset({("rpc", "SubscribeJobSummarySignal"), ("role", role)}): 1
@@ -193,7 +193,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
 
             # A third connection is over --max-connections 2: refused at once.
             extra = await trio.open_tcp_stream("127.0.0.1", server.port)
-            await wait_for(lambda: server.grpc.connections.counter.refused == 1)
+            await wait_for(lambda: server._parts.grpc.connections.counter.refused == 1)
             await extra.aclose()
 
             writes = 0
@@ -208,26 +208,28 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
                 await wait_for(partial(more_than, received, len(received)))
             emulator.state.create_configmap("ns", "not-a-job", JOB_LABELS, {"no": "job_id"})
             writes += 1
-            await wait_for(lambda: sum(server.store.rejected_total.values()) == 1)
+            await wait_for(lambda: sum(server._parts.store.rejected_total.values()) == 1)
 
             # The watch ends cleanly (restart 1); the next one gets 410 (relist 1),
             # the one after that a 500 (error 1); the fourth one stays.
             emulator.faults.push(ExpireWatch(), HttpError(500, target="watch"))
             emulator.restart(lose_history=False)
             await wait_for(lambda: emulator.stats.watch_requests == 4)
-            await wait_for(lambda: emulator.stats.open_watches == 1 and server.status.in_sync)
-            await wait_for(lambda: server.broadcaster.stats.stream_ends["idle"] == 1)
-            await wait_for(lambda: len(server.grpc.connections) == 1)
-            await wait_for(lambda: server.watcher.counters.bookmarks >= 1)
+            await wait_for(
+                lambda: emulator.stats.open_watches == 1 and server._parts.status.in_sync
+            )
+            await wait_for(lambda: server._parts.broadcaster.stats.stream_ends["idle"] == 1)
+            await wait_for(lambda: len(server._parts.grpc.connections) == 1)
+            await wait_for(lambda: server._parts.watcher.counters.bookmarks >= 1)
 
             garbage = await trio.open_tcp_stream("127.0.0.1", server.metrics_port)
             async with garbage:
                 await garbage.send_all(b"\x00garbage\r\n\r\n")
                 assert (await garbage.receive_some(100)).startswith(b"HTTP/1.1 400 ")
 
-            bookmarks_before = server.watcher.counters.bookmarks
+            bookmarks_before = server._parts.watcher.counters.bookmarks
             text = await scrape_text(server.metrics_port)
-            bookmarks_after = server.watcher.counters.bookmarks
+            bookmarks_after = server._parts.watcher.counters.bookmarks
             run = Scrape.parse(text)
             server.request_shutdown()
             await server.stopped.wait()

@@ -414,7 +414,7 @@ async def test_the_whole_server_survives_and_counts_http_faults(tmp_path: Path) 
         async with trio.open_nursery() as nursery:
             server: RunningJobsignal = await nursery.start(run_jobsignal, config)
             assert server.metrics_port is not None
-            await server.status.ready.wait()
+            await server.ready.wait()
             head = await request(server.metrics_port, "HEAD", "/metrics")
             assert (head.status, head.body) == (200, b"")
             assert int(head.headers["content-length"]) > 0

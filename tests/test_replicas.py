@@ -173,7 +173,7 @@ async def open_replica(emu: KubeEmulator, tmp_path: Path) -> AsyncIterator[Runni
         )
         try:
             with trio.fail_after(10):
-                await server.status.ready.wait()
+                await server.ready.wait()
             yield server
         except BaseException as exc:
             raised = exc  # raised again below, not wrapped in the nursery's group
@@ -201,7 +201,7 @@ async def subscribe(
     """Register and subscribe with grpcio; returns once the server holds the stream."""
     client = clients.connect(target(server))
     client_id = await in_thread(client.register_id, role)
-    active = server.registry.active_subscriptions()
+    active = server._parts.registry.active_subscriptions()
     if as_list:
         call = client.subscribe_list(role, client_id, timeout=30)
     else:
@@ -209,7 +209,7 @@ async def subscribe(
     stream = GrpcStream(call)
     nursery.start_soon(stream.run)
     await eventually(
-        lambda: server.registry.active_subscriptions() == active + 1,
+        lambda: server._parts.registry.active_subscriptions() == active + 1,
         what="the subscription to be active",
     )
     return stream

@@ -538,10 +538,10 @@ def open_fds() -> int:
 
 
 def server_counts(server: RunningJobsignal) -> dict[str, object]:
-    connections = server.grpc.connections
+    connections = server._parts.grpc.connections
     return {
-        "subscribers": len(server.broadcaster.subscribers),
-        "active_subscriptions": server.registry.active_subscriptions(),
+        "subscribers": len(server._parts.broadcaster.subscribers),
+        "active_subscriptions": server._parts.registry.active_subscriptions(),
         "connections": len(connections),
         "counted_total": connections.counter.total,
         "counted_per_ip": dict(connections.counter.per_ip),
@@ -578,8 +578,8 @@ async def wait_registrations_settle(server: RunningJobsignal, live: int) -> None
     """Ids registered by killed clients that never subscribed expire after the TTL."""
 
     def settled() -> bool:
-        server.registry.expire(trio.current_time())
-        return len(server.registry) == live
+        server._parts.registry.expire(trio.current_time())
+        return len(server._parts.registry) == live
 
     await wait_for(settled, REGISTRATION_TTL + 10, f"{live} registrations")
 
@@ -594,7 +594,7 @@ class Expected:
 
 
 def expected_from(server: RunningJobsignal, cluster: dict[str, JobSummary]) -> Expected:
-    latest = {str(entry.job.key): entry for entry in server.broadcaster.latest()}
+    latest = {str(entry.job.key): entry for entry in server._parts.broadcaster.latest()}
     assert sorted(latest) == sorted(cluster), "the server's latest state is not the cluster's"
     jobs = {}
     for key, job in cluster.items():
@@ -683,7 +683,7 @@ async def test_soak_full_server_many_clients_changing_cluster(
                 server: RunningJobsignal = await nursery.start(
                     functools.partial(run_jobsignal, config, environ={})
                 )
-                await server.status.ready.wait()
+                await server.ready.wait()
             target = f"127.0.0.1:{server.port}"
             env = {**cli_env(grpcio_stubs), "GRPC_VERBOSITY": "ERROR"}
             clients = Clients(target, env, tmp_path)
@@ -697,7 +697,7 @@ async def test_soak_full_server_many_clients_changing_cluster(
             # Every client gone: nothing is left on the server.
             await wait_for_counts(server, live=0)
             await wait_registrations_settle(server, live=0)
-            assert server.broadcaster.subscribers == frozenset()
+            assert server._parts.broadcaster.subscribers == frozenset()
             await wait_for(lambda: count_tasks() <= tasks_before, 10, "trio tasks to end")
             await wait_for(lambda: open_fds() <= fds_before + 2, 10, "file descriptors")
             report.figures["trio tasks before/after"] = f"{tasks_before}/{count_tasks()}"
@@ -738,7 +738,7 @@ async def soak(
         next_kill = trio.current_time() + KILL_EVERY
         while trio.current_time() < drive_until:
             await trio.sleep(0.25)
-            peak = max(peak, len(server.broadcaster.subscribers))
+            peak = max(peak, len(server._parts.broadcaster.subscribers))
             if trio.current_time() >= next_kill:
                 victim = churn.pop(rng.randrange(len(churn)))
                 client_ends.update(ends_of(await victim.dump()))
@@ -762,7 +762,7 @@ async def soak(
 
     cluster = cluster_jobs(emulator.state)
     await wait_for(
-        lambda: {str(job.key): job for job in server.store.live_jobs()} == cluster,
+        lambda: {str(job.key): job for job in server._parts.store.live_jobs()} == cluster,
         20,
         "the job store to match the cluster",
     )
@@ -780,11 +780,11 @@ async def soak(
     assert not problems, "\n".join(problems[:20])
 
     # The server holds exactly the live subscriptions, their ids and their connections.
-    assert {s.client_id for s in server.broadcaster.subscribers} == live_ids(subs)
+    assert {s.client_id for s in server._parts.broadcaster.subscribers} == live_ids(subs)
     assert server_counts(server) == expected_counts(live)
     by_role = Counter(sub["role"] for sub in subs)
     for role in ROLES:
-        assert server.registry.active_subscriptions(role) == by_role[role], role
+        assert server._parts.registry.active_subscriptions(role) == by_role[role], role
     await wait_registrations_settle(server, live)
 
     # The idle rule closed silent subscriptions; keepalive kept the long-lived ones.
@@ -792,7 +792,7 @@ async def soak(
     assert all(sub["subscriptions"] == 1 and not sub["ends"] for sub in long_subs), [
         sub["ends"] for sub in long_subs if sub["ends"]
     ]
-    ends = server.broadcaster.stats.stream_ends
+    ends = server._parts.broadcaster.stats.stream_ends
     report.figures["stream ends"] = dict(ends)
     assert ends["idle"] >= CHURN_SUBS // 2, dict(ends)
     assert ends["client_gone"] >= kills * CHURN_SUBS // 2, dict(ends)
@@ -800,7 +800,7 @@ async def soak(
     report.figures["stream ends seen by clients"] = dict(client_ends)
     # Nothing but the idle rule ended a stream: no refusal, no slow-client cut, no error.
     assert set(client_ends) <= {"UNAVAILABLE: idle"}, dict(client_ends)
-    report.figures["messages delivered"] = server.broadcaster.stats.messages_delivered
+    report.figures["messages delivered"] = server._parts.broadcaster.stats.messages_delivered
     report.figures["live tasks"] = count_tasks()
 
     for client in watching:

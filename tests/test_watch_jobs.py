@@ -161,7 +161,7 @@ async def test_open_subscription_shares_the_servers_events_and_ends_with_it(
                 server.open_subscription() as events,
                 server.open_subscription(snapshot=False) as live_only,
             ):
-                assert len(server.broadcaster.event_queues) == 2
+                assert len(server._parts.broadcaster.event_queues) == 2
                 received.append(await next_event(events))
                 cluster.write(job("early"), "running")
                 received.append(await next_event(events))
@@ -171,7 +171,7 @@ async def test_open_subscription_shares_the_servers_events_and_ends_with_it(
                 server.request_shutdown()
                 # The server's shutdown ends the channel: `async for` just stops.
                 assert [event async for event in events] == []
-            assert server.broadcaster.event_queues == frozenset()
+            assert server._parts.broadcaster.event_queues == frozenset()
     assert [(e.kind, e.job.job_status) for e in received] == [
         (EventKind.ADDED, "pending"),
         (EventKind.CHANGED, "running"),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import trio
 
+from jobsignal.config import DEFAULTS, Config
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
 from jobsignal.fanout.stats import FanoutStats
 from jobsignal.fanout.subscriber import (
@@ -68,12 +69,12 @@ class Broadcaster:
     def __init__(
         self,
         *,
-        max_pending: int = 1024,
-        max_pending_bytes: int = 64 * 1024 * 1024,
+        max_pending: int = DEFAULTS.max_pending_messages,
+        max_pending_bytes: int = DEFAULTS.max_pending_bytes,
         batch_npus: int = DEFAULT_BATCH_NPUS,
         # gRPC clients' default receive limit (grpcio, grpc-go, grpc-java): a
         # bigger message would end a default client's stream.
-        max_message_bytes: int = 4 * 1024 * 1024,
+        max_message_bytes: int = DEFAULTS.max_send_bytes,
         wall_clock: Callable[[], float] = time.time,
         stats: FanoutStats | None = None,
     ) -> None:
@@ -89,6 +90,16 @@ class Broadcaster:
         self._event_queues: set[EventQueue] = set()
         self.stats = stats or FanoutStats()
         self._faults = RateLimitedLog(log)
+
+    @classmethod
+    def from_config(cls, config: Config) -> Broadcaster:
+        """The queue bounds of --max-pending-messages and --max-pending-bytes, and
+        --max-send-bytes."""
+        return cls(
+            max_pending=config.max_pending_messages,
+            max_pending_bytes=config.max_pending_bytes,
+            max_message_bytes=config.max_send_bytes,
+        )
 
     # -- state -------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import trio
 import trio.lowlevel
 
 from jobsignal.backoff import Backoff
+from jobsignal.config import LayerSettings, from_setting
 from jobsignal.kube.api import (
     ApiError,
     ApiUnavailable,
@@ -53,10 +54,12 @@ SETTLE_SLICE = 512
 
 
 @dataclass(frozen=True)
-class WatchSettings:
-    label_selector: str = "outside-job-info=true"
-    namespaces: tuple[str, ...] = ()
-    watch_timeout: float = 300.0
+class WatchSettings(LayerSettings):
+    """What and how to watch; the first three are settings (jobsignal/config.py)."""
+
+    label_selector: str = from_setting(lambda c: c.label_selector)
+    namespaces: tuple[str, ...] = from_setting(lambda c: c.namespaces)
+    watch_timeout: float = from_setting(lambda c: c.watch_timeout)
     page_size: int = 500
     backoff_initial: float = 0.8
     backoff_max: float = 30.0

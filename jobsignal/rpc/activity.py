@@ -22,15 +22,19 @@ from dataclasses import dataclass
 
 import trio
 
+from jobsignal.config import LayerSettings, from_setting
+
 # Timers fire a little early or late: a client pinging every `min_interval`
 # seconds may measure a few percent under it.
 TIMER_SLACK = 0.1
 
 
 @dataclass(frozen=True)
-class PingPolicy:
-    min_interval: float = 3.0
-    max_strikes: int = 2
+class PingPolicy(LayerSettings):
+    """The ping-flood rule: each field is a setting (jobsignal/config.py)."""
+
+    min_interval: float = from_setting(lambda c: c.min_client_ping_interval)
+    max_strikes: int = from_setting(lambda c: c.ping_strikes)
 
 
 class ConnectionActivity:

@@ -20,7 +20,7 @@ from grpclib.exceptions import GRPCError
 class PassthroughCodec(CodecBase):
     __content_subtype__ = "proto"
 
-    def __init__(self, max_request_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(self, max_request_bytes: int) -> None:
         self.max_request_bytes = max_request_bytes
 
     def encode(self, message: Any, message_type: Any) -> bytes:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jobsignal.config import LayerSettings, from_setting
+
 RAPID_RESET = "rapid_reset"
 CONTROL_FLOOD = "control_flood"
 
@@ -46,24 +48,24 @@ _REQUEST_FRAMES = frozenset({HEADERS, CONTINUATION})
 
 
 @dataclass(frozen=True)
-class ProtocolLimits:
+class ProtocolLimits(LayerSettings):
     """Per-connection HTTP/2 limits; each is a setting (see config.py)."""
 
     # Seconds a new connection has to send the HTTP/2 preface and SETTINGS.
-    handshake_timeout: float = 5.0
+    handshake_timeout: float = from_setting(lambda c: c.handshake_timeout)
     # Sustained RST_STREAM frames per second; bursts of twice as many.
-    max_resets_per_second: float = 100.0
+    max_resets_per_second: float = from_setting(lambda c: c.max_stream_resets_per_second)
     # Sustained control frames per second (see the module docstring); bursts
     # of twice as many.
-    max_control_frames_per_second: float = 500.0
+    max_control_frames_per_second: float = from_setting(lambda c: c.max_control_frames_per_second)
     # Bytes of a connection's input handled per event-loop turn: one peer's
     # burst cannot hold the loop, the rest waits for the next turn.
-    read_bytes_per_turn: int = 16 * 1024
+    read_bytes_per_turn: int = from_setting(lambda c: c.read_bytes_per_turn)
     # Seconds the server may be unable to write to a peer (its socket buffer
     # full: the peer does not read) before the connection is closed. While
     # blocked the server also stops reading from that peer, so the answers
     # it would owe (PING and SETTINGS ACKs) cannot pile up.
-    write_stall_timeout: float = 30.0
+    write_stall_timeout: float = from_setting(lambda c: c.write_stall_timeout)
 
 
 class TokenBucket:

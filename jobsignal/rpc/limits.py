@@ -12,16 +12,21 @@ from dataclasses import dataclass
 
 import trio
 
+from jobsignal.config import LayerSettings, from_setting
+
 
 @dataclass(frozen=True)
-class Limits:
-    max_connections: int = 1024
-    max_connections_per_ip: int = 512
-    max_streams_per_connection: int = 64
-    register_rate: float = 100.0
-    register_burst: int = 200
-    subscribe_rate: float = 100.0
-    subscribe_burst: int = 200
+class Limits(LayerSettings):
+    """Connection counts and per-address request rates: each field is a setting
+    (jobsignal/config.py)."""
+
+    max_connections: int = from_setting(lambda c: c.max_connections)
+    max_connections_per_ip: int = from_setting(lambda c: c.max_connections_per_ip)
+    max_streams_per_connection: int = from_setting(lambda c: c.max_streams_per_connection)
+    register_rate: float = from_setting(lambda c: c.register_rate)
+    register_burst: int = from_setting(lambda c: c.register_burst)
+    subscribe_rate: float = from_setting(lambda c: c.subscribe_rate)
+    subscribe_burst: int = from_setting(lambda c: c.subscribe_burst)
 
 
 class RateLimiter:

@@ -22,6 +22,8 @@ from typing import Any
 
 from grpclib.const import Status
 
+from jobsignal.config import Config
+
 
 class Refused(Exception):
     """A request the registry turns down; carries the gRPC status to answer with."""
@@ -95,6 +97,17 @@ class Registry:
         self._unclaimed_per_address: Counter[str] = Counter()
         self._active_per_role_and_address: Counter[tuple[str, str]] = Counter()
         self.expired_total = 0
+
+    @classmethod
+    def from_config(cls, config: Config) -> Registry:
+        return cls(
+            roles=config.roles,
+            max_registrations=config.max_registrations,
+            max_subscriptions_per_role=config.max_subscriptions_per_role,
+            ttl=config.registration_ttl,
+            max_registrations_per_ip=config.max_registrations_per_ip,
+            max_subscriptions_per_role_per_ip=config.max_subscriptions_per_role_per_ip,
+        )
 
     def __len__(self) -> int:
         return len(self._unclaimed) + len(self._claimed)

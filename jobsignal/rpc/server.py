@@ -14,7 +14,8 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -26,6 +27,7 @@ from grpclib.health.service import OVERALL, Health
 from grpclib.reflection.service import ServerReflection
 
 from jobsignal._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
+from jobsignal.config import Config, LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import PingPolicy
@@ -43,24 +45,35 @@ from jobsignal.status import SourceStatus
 log = logging.getLogger(__name__)
 
 
+def _tls_files(config: Config) -> TlsFiles | None:
+    """The files --tls-cert, --tls-key and --tls-client-ca name; `app` loads them once
+    at start-up, so a broken one fails before anything runs."""
+    if not config.tls_cert:
+        return None
+    client_ca = Path(config.tls_client_ca) if config.tls_client_ca else None
+    return TlsFiles(Path(config.tls_cert), Path(config.tls_key), client_ca)
+
+
 @dataclass(frozen=True)
-class ServerSettings:
+class ServerSettings(LayerSettings):
+    """The gRPC server's settings: all but `backlog` read from settings (jobsignal/config.py)."""
+
     # The first address; `more_addresses` are served too (host "": every address).
-    host: str = ""
-    port: int = 8899
-    more_addresses: tuple[tuple[str, int], ...] = ()
-    session: SessionSettings = field(default_factory=SessionSettings)
-    ping_policy: PingPolicy = field(default_factory=PingPolicy)
-    keepalive_time: float = 60.0
-    keepalive_timeout: float = 5.0
-    shutdown_grace: float = 5.0
-    max_request_bytes: int = 4 * 1024 * 1024
+    host: str = from_setting(lambda c: c.listen[0][0])
+    port: int = from_setting(lambda c: c.listen[0][1])
+    more_addresses: tuple[tuple[str, int], ...] = from_setting(lambda c: c.listen[1:])
+    session: SessionSettings = from_setting(SessionSettings.from_config)
+    ping_policy: PingPolicy = from_setting(PingPolicy.from_config)
+    keepalive_time: float = from_setting(lambda c: c.keepalive_time)
+    keepalive_timeout: float = from_setting(lambda c: c.keepalive_timeout)
+    shutdown_grace: float = from_setting(lambda c: c.shutdown_grace)
+    max_request_bytes: int = from_setting(lambda c: c.max_request_bytes)
     # grpclib's default of 100 starves handshakes when many clients connect at once.
     backlog: int = 4096
-    tls: TlsFiles | None = None
-    limits: Limits = field(default_factory=Limits)
-    protocol_limits: ProtocolLimits = field(default_factory=ProtocolLimits)
-    tls_reload_interval: float = 30.0
+    tls: TlsFiles | None = from_setting(_tls_files)
+    limits: Limits = from_setting(Limits.from_config)
+    protocol_limits: ProtocolLimits = from_setting(ProtocolLimits.from_config)
+    tls_reload_interval: float = from_setting(lambda c: c.tls_reload_interval)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import trio
 from grpclib.const import Status
 
+from jobsignal.config import LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
 from jobsignal.rpc.activity import ConnectionActivity
 from jobsignal.rpc.registry import Refused, Registry
@@ -36,10 +37,12 @@ Send = Callable[[list[bytes]], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
-class SessionSettings:
-    idle_timeout: float = 120.0
-    send_timeout: float = 60.0
-    snapshot_roles: frozenset[str] = frozenset({"FdAgent"})
+class SessionSettings(LayerSettings):
+    """How one stream is served: each field is a setting (jobsignal/config.py)."""
+
+    idle_timeout: float = from_setting(lambda c: c.idle_timeout)
+    send_timeout: float = from_setting(lambda c: c.send_timeout)
+    snapshot_roles: frozenset[str] = from_setting(lambda c: frozenset(c.snapshot_roles))
 
 
 @dataclass(frozen=True)

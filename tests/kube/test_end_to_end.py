@@ -109,7 +109,7 @@ async def subscribe(
     """Register and subscribe with grpcio; returns once the server holds the stream."""
     client = clients.connect(target(server))
     client_id = await in_thread(client.register_id, role)
-    active = server.registry.active_subscriptions()
+    active = server._parts.registry.active_subscriptions()
     call = (
         client.subscribe_list(role, client_id, timeout=60)
         if as_list
@@ -118,7 +118,7 @@ async def subscribe(
     stream = GrpcStream(call)
     nursery.start_soon(stream.run)
     await eventually(
-        lambda: server.registry.active_subscriptions() == active + 1,
+        lambda: server._parts.registry.active_subscriptions() == active + 1,
         what="the subscription to be active",
     )
     return stream
@@ -327,8 +327,8 @@ async def test_health_serving_after_the_first_list(
             "job.Job": "SERVING",
             SOURCE_HEALTH_NAME: "SERVING",
         }
-        assert server.status.ready.is_set()
-        assert server.broadcaster.job_count() == 1
+        assert server.ready.is_set()
+        assert server._parts.broadcaster.job_count() == 1
     assert emu.stats.list_requests == 2
 
 
@@ -366,7 +366,7 @@ async def test_faults_mid_lifecycle_leave_the_client_with_the_clusters_state(
         cluster.write(a, "running")  # two ConfigMaps: both events arrive, then the drop
         cluster.write(b, "running")
         await converged(stream, cluster, "after the drop")
-        counters = server.watcher.counters
+        counters = server._parts.watcher.counters
         assert counters.errors >= 1 and counters.relists_after_gone == 0
 
         # 410 in the middle of the stream: what the watch did not send comes by relist.

@@ -17,7 +17,6 @@ import trio
 from grpcio_stubs import GrpcioClients, GrpcioStubs
 from grpclib.const import Status
 
-from jobsignal.app import registry_for
 from jobsignal.config import configure, defaults
 from jobsignal.rpc.registry import Claim, Refused, Registry, RegistryFull
 
@@ -205,9 +204,9 @@ def test_defaults_leave_most_of_every_pool_to_other_addresses() -> None:
     config = defaults()
     assert (config.max_registrations, config.max_registrations_per_ip) == (1024, 128)
     assert (config.max_subscriptions_per_role, config.max_subscriptions_per_role_per_ip) == (20, 10)
-    registry = registry_for(config)
+    registry = Registry.from_config(config)
     assert len(register_until_full(registry, A)) == 128
-    registry = registry_for(config)
+    registry = Registry.from_config(config)
     assert len(claim_until_refused(registry, A)) == 10
     assert len(claim_until_refused(registry, B)) == 10
     assert registry.active_subscriptions(ROLE) == 20
@@ -256,7 +255,7 @@ async def test_register_past_the_address_share_answers_429(
     share = 3
     config = configure(max_registrations=100, max_registrations_per_ip=share)
     assert config.registration_ttl == TTL  # named in the refusal
-    registry = registry_for(config)
+    registry = Registry.from_config(config)
     async with trio.open_nursery() as nursery, open_jobsignal_server(registry=registry) as server:
         client = grpc_clients.connect(server.target)
         ids = [await in_thread(client.register_id, ROLE) for _ in range(share)]
@@ -282,7 +281,7 @@ async def test_subscribe_past_the_address_share_is_resource_exhausted(
     grpc_clients: GrpcioClients,
 ) -> None:
     share = 2
-    registry = registry_for(
+    registry = Registry.from_config(
         configure(max_subscriptions_per_role=5, max_subscriptions_per_role_per_ip=share)
     )
     async with trio.open_nursery() as nursery, open_jobsignal_server(registry=registry) as server:
