@@ -11,9 +11,8 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-import trio
-
 from jobsignal.app import choose_connection, run_source
+from jobsignal.blocks import background_tasks
 from jobsignal.config import Config
 from jobsignal.events import JobEvents
 from jobsignal.fanout import Broadcaster
@@ -38,8 +37,7 @@ async def watch_jobs(
     connection = choose_connection(config, environ)
     store, status = JobStore(), SourceStatus()
     broadcaster = Broadcaster.from_config(config)
-    raised: BaseException | None = None
-    async with trio.open_nursery() as nursery:
+    async with background_tasks() as nursery:
         await nursery.start(run_source, config, connection, store, broadcaster, status)
         await status.ready.wait()
         # Subscribed with the state loaded, in one step: the first LIST is
@@ -48,10 +46,5 @@ async def watch_jobs(
         events = JobEvents(broadcaster, snapshot=True)
         try:
             yield events
-        except BaseException as exc:
-            raised = exc  # raised again below, not wrapped in the nursery's group
         finally:
             events.close()
-            nursery.cancel_scope.cancel()
-    if raised is not None:
-        raise raised
