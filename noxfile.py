@@ -158,5 +158,5 @@ def bench(session: nox.Session) -> None:
 
     `nox -s bench -- --quick` runs the tiny smoke configuration.
     """
-    session.install("-e", ".[test]", "matplotlib")
+    session.install("-e", ".[test]", "matplotlib", "py-spy")
     session.run("python", "-m", "bench", *session.posargs)

@@ -224,7 +224,9 @@ class JobService:
     async def _serve_stream(self, kind: StreamKind, stream: Stream, request: ClientInfo) -> None:
         activity = self.connections.activity_of(stream)
         # Not the protocol itself: grpclib keeps finished handlers for a while.
-        writer = StreamWriter(stream, self.connections.protocol_of(stream).output)
+        writer = StreamWriter(
+            stream, self.connections.protocol_of(stream).output, self.settings.send_timeout
+        )
         end = await trio_asyncio.trio_as_aio(
             functools.partial(
                 serve_subscription,

@@ -1,13 +1,19 @@
 """One subscription stream, as a trio task: the idle rule and the send loop.
 
-The stream runs inside a cancel scope whose deadline is the idle deadline:
-every batch written to the client and every heartbeat on its connection pushes
-it `idle_timeout` seconds into the future, so expiry needs no timer task and
-is exact in virtual time. Other ways a stream ends (replaced, too slow, server
-shutdown) cancel the subscriber's scope and leave their reason on it. The
-function returns how the stream ended instead of raising a gRPC error, so the
-status is decided outside any nursery (docs/architecture.md
-section 8, "The grpclib adapter and why it exists").
+The stream runs inside a cancel scope armed at the idle deadline: every batch
+written to the client and every heartbeat on its connection records activity,
+and a scope that fires with activity since is opened again at the new
+deadline, so expiry needs no timer task and is exact in virtual time. Other
+ways a stream ends (replaced, too slow, server shutdown) cancel the
+subscriber's scope and leave their reason on it. The function returns how
+the stream ended instead of raising a gRPC error, so the status is decided
+outside any nursery (docs/architecture.md section 8, "The grpclib adapter and
+why it exists").
+
+Nothing here moves a trio deadline per message: the idle scope is re-armed
+once per quiet stretch, and the send timeout is applied by the sender only
+when a batch has to wait (a deadline per batch cost more than the rest of
+the send loop together).
 """
 
 from __future__ import annotations
@@ -32,8 +38,13 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 256
 
 # Writes a batch to the client; True when it went out without waiting for
-# HTTP/2 flow control or the socket (`rpc.writer.StreamWriter.write`).
+# HTTP/2 flow control or the socket (`rpc.writer.StreamWriter.write`). It
+# raises `SendTimedOut` when the batch waited `send_timeout` without going out.
 Send = Callable[[list[bytes]], Awaitable[bool]]
+
+
+class SendTimedOut(Exception):
+    """A batch waited `send_timeout` for the client to read: the client is too slow."""
 
 
 @dataclass(frozen=True)
@@ -84,14 +95,29 @@ def end_for(reason: EndReason, settings: SessionSettings, pending: int = 0) -> S
 
 
 class IdleDeadline:
-    """The idle rule's cancel scope; `touch()` records activity."""
+    """The idle rule's clock: `touch()` records activity, and `scope()` is a cancel
+    scope that fires no earlier than the last activity plus the timeout.
+
+    Touching only stores the time: moving a trio deadline on every message (tens
+    of thousands a second) costs a heap push each. The scope is armed at the
+    activity known when it is opened; when it fires, `expired()` tells a real
+    idle stream from one with activity since, which opens a new scope armed at
+    its last activity. So a stream still closes exactly `timeout` after its
+    last message or heartbeat, at one re-arm per quiet stretch at most.
+    """
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self.scope = trio.CancelScope(deadline=trio.current_time() + timeout)
+        self.last = trio.current_time()
 
     def touch(self) -> None:
-        self.scope.deadline = trio.current_time() + self.timeout
+        self.last = trio.current_time()
+
+    def scope(self) -> trio.CancelScope:
+        return trio.CancelScope(deadline=self.last + self.timeout)
+
+    def expired(self) -> bool:
+        return trio.current_time() >= self.last + self.timeout
 
 
 def _record_delivery(broadcaster: Broadcaster, frames: list[bytes], seen: list[float]) -> None:
@@ -159,22 +185,22 @@ async def serve_subscription(
     try:
         with trio.CancelScope() as ended:
             subscriber.attach(ended)
-            with idle.scope:
-                while True:
-                    frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
-                    at_once = False
-                    with trio.move_on_after(settings.send_timeout) as send_scope:
-                        at_once = await send(frames)
-                    if send_scope.cancelled_caught:
-                        subscriber.end(EndReason.SLOW)
-                    elif at_once:
-                        broadcaster.stats.batches_written_at_once += 1
-                    else:
-                        broadcaster.stats.batches_written_waiting += 1
-                    idle.touch()
-                    _record_delivery(broadcaster, frames, seen)
-            if idle.scope.cancelled_caught:
-                subscriber.end(EndReason.IDLE)
+            while not idle.expired():
+                with idle.scope():
+                    while True:
+                        frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
+                        try:
+                            at_once = await send(frames)
+                        except SendTimedOut:
+                            subscriber.end(EndReason.SLOW)  # the next wait is cancelled
+                            continue
+                        if at_once:
+                            broadcaster.stats.batches_written_at_once += 1
+                        else:
+                            broadcaster.stats.batches_written_waiting += 1
+                        idle.touch()
+                        _record_delivery(broadcaster, frames, seen)
+            subscriber.end(EndReason.IDLE)
         assert subscriber.end_reason is not None
         return end_for(subscriber.end_reason, settings)
     finally:

@@ -21,6 +21,7 @@ import trio_asyncio
 
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.output import ConnectionOutput
+from jobsignal.rpc.session import SendTimedOut
 
 Stream = grpclib.server.Stream[Any, Any]
 
@@ -40,31 +41,59 @@ def frame(frames: list[bytes]) -> bytes:
 class StreamWriter:
     """Writes one server stream's batches through its connection's output."""
 
-    def __init__(self, stream: Stream, output: ConnectionOutput) -> None:
+    def __init__(self, stream: Stream, output: ConnectionOutput, send_timeout: float) -> None:
         self._stream = stream
         self._output = output
+        self._send_timeout = send_timeout
         self._send_headers = trio_asyncio.aio_as_trio(stream.send_initial_metadata)
 
     async def write(self, frames: list[bytes]) -> bool:
-        """Write a batch; True when it all went out without waiting."""
+        """Write a batch; True when it all went out without waiting.
+
+        Raises `SendTimedOut` when what had to wait did not go out within the
+        send timeout (only then is a deadline set: none on the usual path).
+        """
         if not _grpclib.headers_sent(self._stream):
             # Once, through grpclib: then a first batch (a whole snapshot) is sliced too.
-            await self._send_headers()
+            with trio.move_on_after(self._send_timeout) as waited:
+                await self._send_headers()
+            if waited.cancelled_caught:
+                raise SendTimedOut
         data = memoryview(frame(frames))
-        sent = 0
-        if not self._output.has_waiting:  # never overtake streams waiting their turn
-            # The slices are never waited for, so they are shielded: a stream
-            # cancelled mid-message must not leave a truncated message behind.
-            with trio.CancelScope(shield=True):
-                while sent < len(data):
-                    if sent:
-                        await trio.lowlevel.checkpoint()
-                    queued = _grpclib.send_now(self._stream, data[sent : sent + WRITE_SLICE])
-                    if not queued:
-                        break
-                    sent += queued
-                    self._output.schedule_flush()
+        if self._output.has_waiting:  # never overtake streams waiting their turn
+            sent = 0
+        elif len(data) <= WRITE_SLICE:  # the usual case: one slice, no checkpoint
+            sent = self._queue_now(data)
+        else:
+            sent = await self._queue_slices(data)
         if sent == len(data):
             return True
-        await self._output.send_in_turn(self._stream, data[sent:])
+        with trio.move_on_after(self._send_timeout) as waited:
+            await self._output.send_in_turn(self._stream, data[sent:])
+        if waited.cancelled_caught:
+            raise SendTimedOut
         return False
+
+    def _queue_now(self, data: memoryview) -> int:
+        """Queue what the stream's window takes of `data` into h2; the bytes queued."""
+        queued = _grpclib.send_now(self._stream, data)
+        if queued:
+            self._output.schedule_flush()
+        return queued
+
+    async def _queue_slices(self, data: memoryview) -> int:
+        """`_queue_now` one `WRITE_SLICE` per loop turn while the window takes them.
+
+        Never waited for, so shielded: a stream cancelled between slices must
+        not leave a truncated message behind.
+        """
+        sent = 0
+        with trio.CancelScope(shield=True):
+            while sent < len(data):
+                if sent:
+                    await trio.lowlevel.checkpoint()
+                queued = self._queue_now(data[sent : sent + WRITE_SLICE])
+                if not queued:
+                    break
+                sent += queued
+        return sent

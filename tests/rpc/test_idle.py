@@ -10,7 +10,7 @@ from grpclib.const import Status
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.registry import Refused, Registry
-from jobsignal.rpc.session import SessionSettings, StreamEnd, serve_subscription
+from jobsignal.rpc.session import SendTimedOut, SessionSettings, StreamEnd, serve_subscription
 from jobsignal.store.model import JobSummary
 
 ROLE = "CCAgent"
@@ -90,6 +90,24 @@ async def test_message_at_100s_moves_close_to_220s(autojump_clock: trio.testing.
     harness.assert_released()
 
 
+async def test_a_steady_stream_closes_exactly_120s_after_its_last_message(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Messages move the close without moving a deadline each time (the scope is
+    re-armed when it fires): still exactly 120 s after the last one."""
+    harness = Harness()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(harness.serve)
+        for index in range(25):  # one every 37 s for over fifteen minutes
+            await trio.sleep(37)
+            harness.broadcaster.publish([job(f"j{index}")])
+            assert harness.end is None
+        last_message = trio.current_time()
+    assert len(harness.sent_at) == 25
+    assert harness.ended_at == pytest.approx(last_message + 120)
+    harness.assert_released()
+
+
 async def test_client_pings_keep_a_silent_stream_open(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -134,15 +152,18 @@ async def test_configured_timeout_is_used(autojump_clock: trio.testing.MockClock
     assert "idle for 7.5s" in harness.end.message
 
 
-async def test_stalled_send_ends_with_resource_exhausted(
+async def test_a_send_that_times_out_ends_with_resource_exhausted(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """The sender applies the send timeout (`StreamWriter`, tests/rpc/test_shutdown.py
+    with a real peer that stops reading); the session ends the stream as too slow."""
     harness = Harness(SessionSettings(idle_timeout=120, send_timeout=60))
 
-    async def never_completes(frames: list[bytes]) -> bool:
-        await trio.sleep_forever()
+    async def times_out(frames: list[bytes]) -> bool:
+        await trio.sleep(harness.settings.send_timeout)
+        raise SendTimedOut
 
-    harness.send = never_completes  # type: ignore[method-assign]
+    harness.send = times_out  # type: ignore[method-assign]
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(harness.serve)

@@ -1,5 +1,7 @@
-"""The server's stop leaves no connection behind: refused ones and peers that do not
-read are closed too, so no socket or asyncio transport outlives the server's loop."""
+"""Peers that stop reading, and the server's stop: the send timeout ends a stream
+whose batch cannot go out, and the stop leaves no connection behind (refused ones
+and peers that do not read are closed too), so no socket or asyncio transport
+outlives the server's loop."""
 
 from __future__ import annotations
 
@@ -14,8 +16,14 @@ from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
 
-from . import local_settings, make_job, open_jobsignal_server, wait_until
-from .test_hostile_h2 import _client_id_of, grpc_request_headers, raw_peer, register_body
+from . import ServerHarness, local_settings, make_job, open_jobsignal_server, wait_until
+from .test_hostile_h2 import (
+    RawPeer,
+    _client_id_of,
+    grpc_request_headers,
+    raw_peer,
+    register_body,
+)
 
 WAIT = 10.0
 
@@ -48,6 +56,31 @@ async def test_a_refused_connection_open_at_shutdown_is_closed() -> None:
     assert_nothing_leaked()
 
 
+async def subscribe_then_stop_reading(peer: RawPeer, server: ServerHarness) -> None:
+    """Open the windows wide, register, subscribe, then read nothing while big
+    events fill the socket, until the server can no longer write to it."""
+    await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
+    await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
+    await peer.send(
+        peer.headers_frame(1, grpc_request_headers(server.port)),
+        DataFrame(1, register_body("DefaultUser1"), flags=["END_STREAM"]),
+    )
+    await peer.read_until(lambda p: 1 in p.ended_streams())
+    reply = b"".join(f.data for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == 1)
+    message = bytes(ClientInfo(role="DefaultUser1", client_id=_client_id_of(reply)))
+    path = "/job.Job/SubscribeJobSummarySignal"
+    await peer.send(
+        peer.headers_frame(3, grpc_request_headers(server.port, path)),
+        DataFrame(3, b"\x00" + len(message).to_bytes(4, "big") + message, flags=["END_STREAM"]),
+    )
+    await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
+    (protocol,) = server.connections.protocols()
+    for i in range(40):
+        server.broadcaster.publish([make_job(i, npus=2048)])
+        await trio.sleep(0.01)
+    await wait_until(lambda: protocol._write_blocked, within=WAIT)
+
+
 async def test_a_peer_that_does_not_read_is_dropped_at_the_end_of_the_grace() -> None:
     grace = 1.0
     settings = local_settings(
@@ -60,29 +93,7 @@ async def test_a_peer_that_does_not_read_is_dropped_at_the_end_of_the_grace() ->
         open_jobsignal_server(settings) as server,
         raw_peer(server.port, receive_buffer=4096) as peer,
     ):
-        await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
-        await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
-        await peer.send(
-            peer.headers_frame(1, grpc_request_headers(server.port)),
-            DataFrame(1, register_body("DefaultUser1"), flags=["END_STREAM"]),
-        )
-        await peer.read_until(lambda p: 1 in p.ended_streams())
-        reply = b"".join(
-            f.data for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == 1
-        )
-        message = bytes(ClientInfo(role="DefaultUser1", client_id=_client_id_of(reply)))
-        path = "/job.Job/SubscribeJobSummarySignal"
-        await peer.send(
-            peer.headers_frame(3, grpc_request_headers(server.port, path)),
-            DataFrame(3, b"\x00" + len(message).to_bytes(4, "big") + message, flags=["END_STREAM"]),
-        )
-        await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
-        # The peer reads nothing from here on; big events fill its socket.
-        (protocol,) = server.connections.protocols()
-        for i in range(40):
-            server.broadcaster.publish([make_job(i, npus=2048)])
-            await trio.sleep(0.01)
-        await wait_until(lambda: protocol._write_blocked, within=WAIT)
+        await subscribe_then_stop_reading(peer, server)
         started = trio.current_time()
         await server.stop()
         stopped_after = trio.current_time() - started
@@ -93,6 +104,27 @@ async def test_a_peer_that_does_not_read_is_dropped_at_the_end_of_the_grace() ->
             while await receive_or_reset(peer.stream):
                 pass
     assert_nothing_leaked()
+
+
+async def test_a_batch_that_waits_past_the_send_timeout_ends_the_stream_as_too_slow() -> None:
+    """The send timeout is the writer's: it applies only to a batch that has to wait."""
+    send_timeout = 0.5
+    settings = local_settings(
+        protocol_limits=ProtocolLimits(write_stall_timeout=600.0),
+        session=SessionSettings(send_timeout=send_timeout),
+    )
+    async with (
+        open_jobsignal_server(settings) as server,
+        raw_peer(server.port, receive_buffer=4096) as peer,
+    ):
+        await subscribe_then_stop_reading(peer, server)
+        await wait_until(
+            lambda: server.broadcaster.stats.stream_ends["slow"] == 1,
+            within=send_timeout + WAIT,
+            what="the stalled stream to end as too slow",
+        )
+        assert not server.broadcaster.subscribers
+        assert server.broadcaster.stats.batches_written_at_once >= 1
 
 
 async def receive_or_reset(stream: trio.SocketStream) -> bytes:
