@@ -22,7 +22,10 @@ FINDINGS = Path(__file__).resolve().parent / "FINDINGS.md"
 SERVER_BOUND = (
     ("server_fanout", "Server-bound fan-out"),
     ("server_one_conn", "Server-bound, one connection each"),
+    ("server_latency", "Server-bound latency under capacity"),
 )
+# Issue 10's latency target, measured under capacity with the Go load generator.
+SERVER_LATENCY_P99_TARGET_MS = 50.0
 SERVER_BOUND_NAMES = {
     "jobsignal": "jobsignal",
     "go": "grpc-go (ClusterD's design)",
@@ -488,6 +491,10 @@ class Report:
         return rows
 
     def server_bound_figure(self, key: str, kind: str, figure: str) -> float | None:
+        """The median of a server's per-window figure, or its latency percentile."""
+        if figure.endswith("_ms"):
+            value = _get(self.r, key, "servers", kind, "latency", figure)
+            return float(value) if value is not None else None
         values = _get(self.r, key, "servers", kind, figure)
         return _median(values) if values else None
 
@@ -502,14 +509,19 @@ class Report:
                 f"{label}, {section['subscribers']:,} subscribers on"
                 f" {section['connections']:,} connections, Go load generator"
             )
-            for figure, what, digits, target in (
-                ("rate", "delivered msg/s (higher is better)", 0, ""),
-                (
+            second = (
+                ("p99_ms", "p99 latency ms (lower is better)", 1, "< 50 ms")
+                if key == "server_latency"
+                else (
                     "us_per_msg",
                     "server CPU µs per delivered msg (lower is better)",
                     1,
                     f"≤ {GO_CPU_RATIO_TARGET:g}x grpc-go",
-                ),
+                )
+            )
+            for figure, what, digits, target in (
+                ("rate", "delivered msg/s (higher is better)", 0, ""),
+                second,
             ):
                 ours = self.server_bound_figure(key, "jobsignal", figure)
                 go = self.server_bound_figure(key, "go", figure)
@@ -619,6 +631,19 @@ class Report:
         for key, label in SERVER_BOUND:
             section = self.r.get(key) or {}
             where = f"{section.get('subscribers', 0):,} on {section.get('connections', 0):,}"
+            if key == "server_latency":
+                p99 = _get(section, "servers", "jobsignal", "latency", "p99_ms")
+                checks.append(
+                    _check_below(
+                        f"{label} ({where}, {section.get('rate', 0):g} events/s): p99 <"
+                        f" {SERVER_LATENCY_P99_TARGET_MS:g} ms",
+                        p99,
+                        SERVER_LATENCY_P99_TARGET_MS,
+                        "ms",
+                        1,
+                    )
+                )
+                continue
             ours = self.server_bound_figure(key, "jobsignal", "us_per_msg")
             go = self.server_bound_figure(key, "go", "us_per_msg")
             aio = self.server_bound_figure(key, "reference", "us_per_msg")

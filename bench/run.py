@@ -114,6 +114,8 @@ class Sizes:
     # share (0: one each), events per second offered (above capacity).
     server_fanout: tuple[int, int, float] = (1000, 20, 60.0)
     server_one_conn: tuple[int, int, float] = (500, 0, 120.0)
+    # Under capacity (20,000 deliveries/s): latency, not throughput.
+    server_latency: tuple[int, int, float] = (1000, 20, 20.0)
     # The Go load generator decodes every n-th message of a subscriber for latency.
     go_sample_every: int = 10
 
@@ -192,6 +194,7 @@ QUICK = Sizes(
     deadline=120.0,
     server_fanout=(4, 2, 20.0),
     server_one_conn=(3, 0, 20.0),
+    server_latency=(4, 2, 5.0),
     go_sample_every=1,
 )
 
@@ -548,6 +551,7 @@ class Bench:
             ("big_and_small", self.scenario_big_and_small),
             ("server_fanout", self.scenario_server_fanout),
             ("server_one_conn", self.scenario_server_one_conn),
+            ("server_latency", self.scenario_server_latency),
         ]
         for name, scenario in scenarios:
             if only and name not in only:
@@ -1104,6 +1108,11 @@ class Bench:
     def scenario_server_one_conn(self) -> None:
         """Every subscriber on its own connection (each client its own channel)."""
         self.server_bound("server_one_conn", *self.sizes.server_one_conn)
+
+    def scenario_server_latency(self) -> None:
+        """1,000 subscribers at 20 events/s, under every server's capacity: the latency
+        of sampled messages (issue 10's p99 target) with the cheap Go load generator."""
+        self.server_bound("server_latency", *self.sizes.server_latency)
 
     def server_bound(self, key: str, subscribers: int, connections: int, rate: float) -> None:
         """jobsignal, grpc.aio and grpc-go side by side under one Go load generator

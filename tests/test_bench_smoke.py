@@ -34,6 +34,7 @@ SCENARIO_ROWS = (
     "Big and small",
     "Server-bound fan-out",
     "Server-bound, one connection each",
+    "Server-bound latency under capacity",
 )
 PLOTS = ("fanout.png", "latency.png", "memory.png", "slow.png")
 
@@ -71,7 +72,7 @@ def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
     assert all(row["attacker"]["connections"] >= 1 for row in attacks)
     assert len(results["big_and_small"]["phases"]) == 2
     # The Go load generator measured all three servers, every subscriber served.
-    for scenario in ("server_fanout", "server_one_conn"):
+    for scenario in ("server_fanout", "server_one_conn", "server_latency"):
         servers = results[scenario]["servers"]
         assert sorted(servers) == sorted(GO_SERVERS), scenario
         for kind, row in servers.items():
