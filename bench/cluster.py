@@ -24,7 +24,7 @@ import trio.lowlevel
 from bench.common import answer_commands, emit, run_child
 from bench.events import clusterd_job
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, StatusError, run_emulator
+from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, run_emulator
 
 
 def write_job(state: ConfigMapStore, job: ClusterdJob, status: str, sid: str) -> int:
@@ -32,12 +32,7 @@ def write_job(state: ConfigMapStore, job: ClusterdJob, status: str, sid: str) ->
     written = 0
     for name, data in job.configmaps(status):
         data["sid"] = sid
-        try:
-            state.get(job.namespace, name)
-        except StatusError:
-            state.create_configmap(job.namespace, name, JOB_LABELS, data)
-        else:
-            state.update_configmap(job.namespace, name, data=data)
+        state.create_or_update_configmap(job.namespace, name, JOB_LABELS, data)
         written += 1
     return written
 
