@@ -212,6 +212,15 @@ def send_now(stream: ServerStream, data: memoryview) -> int:
     return size
 
 
+def connection_can_send(connection: Connection) -> bool:
+    """Whether any stream of this grpclib connection could send data now: the socket
+    takes writes and the connection's own flow-control window is open."""
+    if not connection.write_ready.is_set() or connection.is_closing():
+        return False
+    window: int = connection._connection.outbound_flow_control_window
+    return window > 0
+
+
 def stream_closed(stream: ServerStream) -> bool:
     """Whether HTTP/2 will take no more data on this stream (it or its connection ended)."""
     h2_stream = stream._stream

@@ -94,6 +94,10 @@ class ConnectionOutput:
         budget = TURN_BUDGET
         stalled = 0  # consecutive streams that could send nothing
         while self._waiting and stalled < len(self._waiting) and budget > 0:
+            if not _grpclib.connection_can_send(self._connection):
+                # The shared window is shut (or the socket full): no stream can
+                # send, so asking each of them (dozens per connection) is waste.
+                break
             entry = self._waiting.popleft()
             if _grpclib.stream_closed(entry.stream):
                 entry.closed = True
