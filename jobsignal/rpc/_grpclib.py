@@ -51,7 +51,7 @@ from h2.events import Event, RequestReceived, StreamReset
 from h2.exceptions import StreamClosedError
 from h2.settings import SettingCodes
 
-from jobsignal.rpc.lean import Fifo, SmallDeque
+from jobsignal.rpc.lean import Fifo, NewestFirst, SmallDeque
 
 PINNED_GRPCLIB = "0.4.9"
 
@@ -170,6 +170,17 @@ def lighten_settings(h2_connection: H2Connection) -> None:
                 held[code] = SmallDeque(values)
 
 
+def lighten_header_tables(h2_connection: H2Connection) -> None:
+    """HPACK's dynamic tables (the encoder's and the decoder's) as `NewestFirst`.
+
+    hpack adds an entry with `appendleft`, evicts with `pop`, looks entries up
+    by index and by iterating, and `clear`s the table when it shrinks to nothing.
+    """
+    for coder in (h2_connection.encoder, h2_connection.decoder):
+        table: Any = coder.header_table
+        table.dynamic_entries = NewestFirst(table.dynamic_entries)
+
+
 def _lighten_event(event: asyncio.Event) -> None:
     # Event appends its waiters' futures, removes them and iterates over them.
     light: Any = event
@@ -214,18 +225,23 @@ def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) ->
     through h2's `send_data` (one frame per call, as frames are split to the
     peer's frame size before) and `send_headers`.
     """
-    send_data, send_headers = h2_connection.send_data, h2_connection.send_headers
+    setattr(h2_connection, "send_data", _Noted(h2_connection.send_data, callback))  # noqa: B010
+    setattr(h2_connection, "send_headers", _Noted(h2_connection.send_headers, callback))  # noqa: B010
 
-    def noted_send_data(*args: Any, **kwargs: Any) -> None:
-        callback()
-        send_data(*args, **kwargs)
 
-    def noted_send_headers(*args: Any, **kwargs: Any) -> None:
-        callback()
-        send_headers(*args, **kwargs)
+class _Noted:
+    """An h2 send method that calls `callback` first (an object with two slots, not a
+    closure: one of these per connection and method)."""
 
-    setattr(h2_connection, "send_data", noted_send_data)  # noqa: B010
-    setattr(h2_connection, "send_headers", noted_send_headers)  # noqa: B010
+    __slots__ = ("_callback", "_send")
+
+    def __init__(self, send: Callable[..., None], callback: Callable[[], None]) -> None:
+        self._send = send
+        self._callback = callback
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self._callback()
+        self._send(*args, **kwargs)
 
 
 # -- reading requests and writing responses on a server stream ----------------------------------
@@ -318,26 +334,33 @@ def accept_request(processor: EventsProcessor, event: RequestReceived) -> None:
     """
     stream = processor.connection.create_stream(stream_id=event.stream_id)
     lighten_stream(stream)
-    release = processor.register(stream)
-    released = False
+    release = _ReleaseOnce(processor.register(stream), processor.handler, stream)
+    handler = processor.handler
+    handler.accept(stream, event.headers, release)  # type: ignore[arg-type]
+    task: asyncio.Task[None] | None = getattr(handler, "_tasks", {}).get(stream)
+    if task is not None:
+        task.add_done_callback(release.task_done)
 
-    def release_once() -> None:
-        nonlocal released
-        if not released:
-            released = True
+
+class _ReleaseOnce:
+    """grpclib's release of one stream, run once: by its handler's `finally` or when
+    its task is done, whichever comes first (a slotted object, not closures)."""
+
+    __slots__ = ("_handler", "_release", "_stream")
+
+    def __init__(self, release: Callable[[], None], handler: Any, stream: ProtocolStream) -> None:
+        self._release: Callable[[], None] | None = release
+        self._handler = handler
+        self._stream = stream
+
+    def __call__(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
             release()
 
-    handler = processor.handler
-    handler.accept(stream, event.headers, release_once)  # type: ignore[arg-type]
-    task: asyncio.Task[None] | None = getattr(handler, "_tasks", {}).get(stream)
-    if task is None:
-        return
-
-    def finished(task: asyncio.Task[None]) -> None:
-        release_once()
-        forget_task(handler, stream, task)
-
-    task.add_done_callback(finished)
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        self()
+        forget_task(self._handler, self._stream, task)
 
 
 def forget_task(handler: Any, stream: ProtocolStream, task: asyncio.Task[None]) -> None:

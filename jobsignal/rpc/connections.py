@@ -196,6 +196,7 @@ class ObservedH2Protocol(H2Protocol):
         advertised = self._table.limits.max_streams_per_connection
         _grpclib.advertise_stream_limit(h2_connection, advertised, hard_stream_limit(advertised))
         _grpclib.lighten_settings(h2_connection)
+        _grpclib.lighten_header_tables(h2_connection)
         activity, budget = self.activity, self.budget
 
         def frames_sent() -> None:

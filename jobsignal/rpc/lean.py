@@ -12,7 +12,9 @@ of these two, which support exactly the operations their owners perform:
   not for anything a peer can fill.
 - `Fifo`, first in first out with amortized O(1) ends, for data a peer can
   fill with many small frames: asyncio.Queue's items and grpclib's
-  acknowledged chunks of a stream.
+  acknowledged chunks of a stream (and `rpc.output`'s waiting streams);
+- `NewestFirst`, the same the other way round, for HPACK's dynamic tables:
+  an entry is added at index 0 and the oldest evicted from the end.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class Fifo(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         return itertools.islice(self._items, self._head, None)
 
+    def __reversed__(self) -> Iterator[T]:
+        items = self._items
+        return (items[i] for i in range(len(items) - 1, self._head - 1, -1))
+
     def __repr__(self) -> str:
         return f"Fifo({list(self)!r})"
 
@@ -96,3 +102,39 @@ class Fifo(Generic[T]):
     def clear(self) -> None:
         self._items.clear()
         self._head = 0
+
+
+class NewestFirst(Generic[T]):
+    """A deque used as HPACK's dynamic table: `appendleft` the newest entry, `pop` the
+    oldest, index and iterate newest first; all O(1) amortized, whatever the size
+    a peer allowed the table."""
+
+    __slots__ = ("_oldest_first",)
+
+    def __init__(self, items: Iterable[T] = ()) -> None:
+        self._oldest_first: Fifo[T] = Fifo(reversed(list(items)))
+
+    def __len__(self) -> int:
+        return len(self._oldest_first)
+
+    def __bool__(self) -> bool:
+        return bool(self._oldest_first)
+
+    def __iter__(self) -> Iterator[T]:
+        return reversed(self._oldest_first)
+
+    def __repr__(self) -> str:
+        return f"NewestFirst({list(self)!r})"
+
+    def __getitem__(self, index: int) -> T:
+        # Index 0 (the newest) is the Fifo's last item; -1 (the oldest) its first.
+        return self._oldest_first[-1 - index]
+
+    def appendleft(self, item: T) -> None:
+        self._oldest_first.append(item)
+
+    def pop(self) -> T:
+        return self._oldest_first.popleft()
+
+    def clear(self) -> None:
+        self._oldest_first.clear()
