@@ -51,7 +51,7 @@ from h2.events import Event, RequestReceived, StreamReset
 from h2.exceptions import StreamClosedError
 from h2.settings import SettingCodes
 
-from jobsignal.rpc.lean import Fifo, NewestFirst, SmallDeque
+from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
 PINNED_GRPCLIB = "0.4.9"
 
@@ -179,6 +179,20 @@ def lighten_header_tables(h2_connection: H2Connection) -> None:
     for coder in (h2_connection.encoder, h2_connection.decoder):
         table: Any = coder.header_table
         table.dynamic_entries = NewestFirst(table.dynamic_entries)
+
+
+def lighten_dispatch_tables(h2_connection: H2Connection, processor: EventsProcessor) -> None:
+    """h2's frame handlers and grpclib's event processors as `MethodTable`s.
+
+    h2 looks a received frame's class up in `_frame_dispatch_table` (and
+    grpclib deletes the table when the connection closes); grpclib looks an
+    event's class up in `processors` (a KeyError there is an unknown event),
+    `set_event_handler` replaces entries, and grpclib deletes it on close.
+    """
+    light: Any = h2_connection
+    light._frame_dispatch_table = MethodTable(h2_connection, h2_connection._frame_dispatch_table)
+    events: Any = processor
+    events.processors = MethodTable(processor, events.processors)
 
 
 def _lighten_event(event: asyncio.Event) -> None:

@@ -15,12 +15,19 @@ import trio_asyncio
 from grpclib.config import Configuration
 from h2.config import H2Configuration
 from h2.connection import H2Connection
-from h2.events import RemoteSettingsChanged, RequestReceived, ResponseReceived, SettingsAcknowledged
+from h2.events import Event as H2Event
+from h2.events import (
+    PingReceived,
+    RemoteSettingsChanged,
+    RequestReceived,
+    ResponseReceived,
+    SettingsAcknowledged,
+)
 from h2.settings import SettingCodes
 
 import jobsignal  # noqa: F401  (importing jobsignal installs the adapter)
 from jobsignal.rpc import _grpclib
-from jobsignal.rpc.lean import Fifo, NewestFirst, SmallDeque
+from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
 
 def test_grpclib_looks_up_the_current_task_through_trio_asyncio() -> None:
@@ -211,6 +218,9 @@ class RecordingTransport:
     def is_closing(self) -> bool:
         return False
 
+    def close(self) -> None:
+        pass
+
 
 def grpclib_stream() -> tuple[grpclib.protocol.Connection, grpclib.protocol.Stream, H2Connection]:
     """A grpclib server connection with one open request stream (id 1) from a client."""
@@ -300,3 +310,91 @@ async def test_grpclib_stream_buffer_reads_and_waits_when_light() -> None:
 
     async with trio_asyncio.open_loop():
         await trio_asyncio.aio_as_trio(scenario)()
+
+
+def frame_exchange(server: H2Connection, client: H2Connection) -> list[str]:
+    """Every kind of frame a client sends a server; the events (by name) it produced."""
+    names: list[str] = []
+
+    def deliver() -> None:
+        names.extend(type(event).__name__ for event in server.receive_data(client.data_to_send()))
+        client.receive_data(server.data_to_send())
+
+    request = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
+    client.send_headers(1, request)
+    client.send_data(1, b"request")
+    client.increment_flow_control_window(1000)
+    client.ping(b"12345678")
+    client.prioritize(1, weight=32)
+    client.update_settings({SettingCodes.MAX_FRAME_SIZE: 32768})
+    deliver()
+    client.send_headers(3, request, end_stream=True)
+    client.reset_stream(1)
+    client.close_connection()
+    deliver()
+    return names
+
+
+def test_h2_frames_are_dispatched_the_same_with_a_method_table() -> None:
+    plain, plain_client = h2_pair()
+    light, light_client = h2_pair()
+    assert isinstance(light._frame_dispatch_table, dict)
+    _grpclib.lighten_dispatch_tables(light, grpclib_processor(light))
+    assert isinstance(light._frame_dispatch_table, MethodTable)
+    events = frame_exchange(light, light_client)
+    assert events == frame_exchange(plain, plain_client)
+    assert {"RequestReceived", "DataReceived", "PingReceived", "StreamReset"} <= set(events)
+    assert "ConnectionTerminated" in events
+
+
+class RecordingHandler:
+    """A grpclib request handler that records what it is given."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int | None] = []
+        self.closed = False
+
+    def accept(self, stream: Any, headers: Any, release_stream: Any) -> None:
+        self.accepted.append(stream.id)
+
+    def cancel(self, stream: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def grpclib_processor(h2_connection: H2Connection) -> grpclib.protocol.EventsProcessor:
+    transport: Any = RecordingTransport()
+    connection = grpclib.protocol.Connection(h2_connection, transport, config=Configuration())
+    handler: Any = RecordingHandler()
+    return grpclib.protocol.EventsProcessor(handler, connection)
+
+
+class OtherEvent(H2Event):
+    """An event grpclib has no processor for."""
+
+
+def test_grpclib_events_are_processed_the_same_with_a_method_table() -> None:
+    server, client = h2_pair()
+    processor = grpclib_processor(server)
+    assert isinstance(processor.processors, dict)
+    _grpclib.lighten_dispatch_tables(server, processor)
+    assert isinstance(processor.processors, MethodTable)
+    pings: list[object] = []
+    _grpclib.set_event_handler(processor, PingReceived, pings.append)
+    request = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
+    client.send_headers(1, request)
+    client.ping(b"12345678")
+    for event in server.receive_data(client.data_to_send()):
+        processor.process(event)  # grpclib's own dispatch
+    handler: Any = processor.handler
+    assert handler.accepted == [1]  # process_request_received, found by name
+    assert len(pings) == 1  # the handler set on top
+    with pytest.raises(NotImplementedError):  # an event grpclib has no processor for
+        processor.process(OtherEvent())
+    _grpclib.process_event(processor, OtherEvent())  # the adapter ignores it
+    processor.close()  # deletes its processors, as grpclib does
+    assert handler.closed and not hasattr(processor, "processors")
+    _grpclib.process_event(processor, PingReceived(ping_data=b"12345678"))
+    assert len(pings) == 1

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from bench import memory_profile
 from jobsignal.rpc import _grpclib
-from jobsignal.rpc.lean import Fifo, NewestFirst, SmallDeque
+from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
 from . import StreamCollector, in_thread, open_jobsignal_server, wait_until
 
@@ -110,11 +110,40 @@ def test_small_deque_is_a_list_with_popleft() -> None:
         SmallDeque[int]().popleft()
 
 
+class Owner:
+    def first(self) -> str:
+        return "first"
+
+    def second(self) -> str:
+        return "second"
+
+
+def bound_to(method: Any) -> object:
+    return method.__self__
+
+
+def test_method_table_binds_on_lookup_and_shares_its_names() -> None:
+    one, two = Owner(), Owner()
+    tables = [MethodTable(owner, {1: owner.first, 2: owner.second}) for owner in (one, two)]
+    assert tables[0][1]() == "first" and tables[1][2]() == "second"
+    assert bound_to(tables[0][1]) is one and bound_to(tables[1][1]) is two
+    assert tables[0]._names is tables[1]._names  # one table of names for every owner
+    with pytest.raises(KeyError):
+        tables[0][3]
+    assert tables[0].get(3) is None and 3 not in tables[0]
+    tables[0][3] = print  # set later; the other owner's table is unchanged
+    assert tables[0][3] is print and 3 in tables[0] and tables[1].get(3) is None
+    tables[0][1] = two.second  # an entry set later wins over the name
+    assert tables[0][1]() == "second" and len(tables[0]) == 3
+    foreign = MethodTable(one, {1: one.first, 2: two.first})  # not one's own method: kept
+    assert bound_to(foreign[2]) is two
+
+
 # -- a live connection -----------------------------------------------------------------------
 
 
 def containers_of(protocol: Any) -> dict[str, object]:
-    """Every container the adapter lightens on one connection and its open streams."""
+    """Every container and table the adapter lightens on one connection and its open streams."""
     h2 = _grpclib.h2_connection_of(protocol)
     found: dict[str, object] = {}
     for side in ("local_settings", "remote_settings"):
@@ -126,6 +155,8 @@ def containers_of(protocol: Any) -> dict[str, object]:
     for name in ("write_ready", "stream_close_waiter"):
         found[f"connection.{name}"] = getattr(connection, name)._waiters
     found["output waiting"] = protocol.output._waiting
+    found["h2 frame dispatch"] = h2._frame_dispatch_table
+    found["grpclib event processors"] = protocol.processor.processors
     for stream_id, stream in protocol.processor.streams.items():
         for name in ("window_updated", "headers_received", "trailers_received"):
             found[f"stream {stream_id} {name}"] = getattr(stream, name)._waiters
@@ -150,7 +181,7 @@ async def test_a_live_connections_containers_are_the_light_ones(
         # grpcio's SETTINGS named settings h2 had not seen: re-lightened after them.
         found = containers_of(protocol)
         assert len(found) > 20
-        light = (SmallDeque, Fifo, NewestFirst)
+        light = (SmallDeque, Fifo, NewestFirst, MethodTable)
         assert not {name: type(held) for name, held in found.items() if type(held) not in light}
         # The Register that finished left no task (and no stream) in grpclib's handler.
         handler: Any = protocol.processor.handler
