@@ -71,7 +71,8 @@ async def test_every_grpclib_internal_the_adapter_uses_exists() -> None:
     for name in processor_methods:
         assert callable(getattr(grpclib.protocol.EventsProcessor, name)), name
     assert "processors" in grpclib.protocol.EventsProcessor.__init__.__code__.co_names
-    assert "_tasks" in grpclib.server.Handler.__init__.__code__.co_names
+    for name in ["_tasks", "_cancelled"]:  # forget_task drops finished tasks from both
+        assert name in grpclib.server.Handler.__init__.__code__.co_names, f"Handler.{name}"
     connection = h2.connection.H2Connection()
     assert isinstance(connection.local_settings._settings, dict)
     assert h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS in connection.local_settings._settings
