@@ -22,13 +22,14 @@ when `jobsignal` is imported. It stays necessary while grpclib caches
 call time, or a trio-asyncio that sets the C-level running loop, makes it a
 no-op.
 
-And it keeps an idle connection small. h2, grpclib and asyncio hold about
-twenty `collections.deque`s per connection and stream (each setting of both
-peers, every asyncio Event's and Queue's waiters, the stream's buffers), at
-about 760 bytes each even when empty; the `lighten_*` functions swap them for
-the containers of `rpc.lean`, and `accept_request` drops a finished handler
-task at once, where grpclib kept it (and its stream) until the connection's
-tenth request.
+And it keeps an idle connection small (docs/architecture.md section 8, "Lean
+per-connection state"). h2, grpclib and asyncio hold about twenty
+`collections.deque`s per connection and stream (each setting of both peers,
+HPACK's tables, every asyncio Event's and Queue's waiters, the stream's
+buffers), at about 760 bytes each even when empty, and two dicts of bound
+methods; the `lighten_*` functions swap them for the containers of
+`rpc.lean`, and `accept_request` drops a finished handler task at once,
+where grpclib kept it (and its stream) until the connection's tenth request.
 """
 
 from __future__ import annotations
