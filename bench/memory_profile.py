@@ -46,13 +46,11 @@ from pathlib import Path
 
 import trio
 
-from bench.common import MAX_CLIENTS, ROLES, STUBS_ENV, generate_stubs
-from bench.jobsignal_server import roomy_settings
+from bench.common import STUBS_ENV, generate_stubs
+from bench.jobsignal_server import bench_registry, bench_settings
 from bench.procs import REPO, Child, status_bytes
 from jobsignal.fanout import Broadcaster
-from jobsignal.rpc.registry import Registry
-from jobsignal.rpc.server import ServerSettings, run_grpc_server
-from jobsignal.rpc.session import SessionSettings
+from jobsignal.rpc.server import run_grpc_server
 from jobsignal.status import SourceStatus
 
 SETTLE_SECONDS = 1.0
@@ -198,21 +196,9 @@ async def measure(
 ) -> Profile:
     """Run the server here, connect `warmup` and then `subscribers_count` idle subscribers
     from a load-generator child, and return what the second group costs each."""
-    settings = roomy_settings(
-        ServerSettings(
-            host="127.0.0.1",
-            port=0,
-            session=SessionSettings(idle_timeout=3600.0),
-            shutdown_grace=2.0,
-        )
-    )
+    settings = bench_settings()
     broadcaster = Broadcaster()
-    registry = Registry(
-        roles=ROLES,
-        max_registrations=MAX_CLIENTS,
-        max_subscriptions_per_role=MAX_CLIENTS,
-        ttl=3600.0,
-    )
+    registry = bench_registry()
     status = SourceStatus()
     shutdown = trio.Event()
     if trace:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,17 @@ def outcome(container: Any, method: str, *args: Any) -> Any:
         return type(error)
 
 
+def replay(steps: list[tuple[Any, ...]], light: Any) -> Iterator[tuple[Any, Any]]:
+    """Apply each step to `light` and to a deque, checking that both answer and hold
+    the same; yields both after each step for further checks."""
+    reference: collections.deque[int] = collections.deque()
+    for method, *args in steps:
+        assert outcome(light, method, *args) == outcome(reference, method, *args)
+        assert list(light) == list(reference)
+        assert len(light) == len(reference) and bool(light) == bool(reference)
+        yield light, reference
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     operations(
@@ -67,13 +79,8 @@ def outcome(container: Any, method: str, *args: Any) -> Any:
     )
 )
 def test_fifo_behaves_as_a_deque(steps: list[tuple[Any, ...]]) -> None:
-    fifo: Fifo[int] = Fifo()
-    reference: collections.deque[int] = collections.deque()
-    for method, *args in steps:
-        assert outcome(fifo, method, *args) == outcome(reference, method, *args)
-        assert list(fifo) == list(reference)
+    for fifo, reference in replay(steps, Fifo[int]()):
         assert list(reversed(fifo)) == list(reversed(reference))
-        assert len(fifo) == len(reference) and bool(fifo) == bool(reference)
 
 
 @settings(max_examples=300, deadline=None)
@@ -86,12 +93,8 @@ def test_fifo_behaves_as_a_deque(steps: list[tuple[Any, ...]]) -> None:
     )
 )
 def test_newest_first_behaves_as_hpacks_deque(steps: list[tuple[Any, ...]]) -> None:
-    table: NewestFirst[int] = NewestFirst()
-    reference: collections.deque[int] = collections.deque()
-    for method, *args in steps:
-        assert outcome(table, method, *args) == outcome(reference, method, *args)
-        assert list(table) == list(reference)
-        assert len(table) == len(reference) and bool(table) == bool(reference)
+    for _ in replay(steps, NewestFirst[int]()):
+        pass
 
 
 def test_fifo_popleft_frees_the_items_it_hands_out() -> None:
