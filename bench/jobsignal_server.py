@@ -187,16 +187,35 @@ def roomy_settings(settings: ServerSettings) -> ServerSettings:
     return dataclasses.replace(settings, limits=dataclasses.replace(limits, **overrides))
 
 
+def bench_settings(limits: ProtocolLimits | None = None) -> ServerSettings:
+    """The benchmark server's settings: loopback, an ephemeral port, no idle close,
+    a short shutdown grace, roomy limits (also for bench.memory_profile)."""
+    return roomy_settings(
+        ServerSettings(
+            host="127.0.0.1",
+            port=0,
+            session=SessionSettings(idle_timeout=3600.0),
+            shutdown_grace=2.0,
+            protocol_limits=limits or ProtocolLimits(),
+        )
+    )
+
+
+def bench_registry() -> Registry:
+    """A registry that turns no benchmark client away."""
+    return Registry(
+        roles=ROLES,
+        max_registrations=MAX_CLIENTS,
+        max_subscriptions_per_role=MAX_CLIENTS,
+        ttl=3600.0,
+    )
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.broadcaster = BenchBroadcaster(max_pending=args.max_pending)
-        self.registry = Registry(
-            roles=ROLES,
-            max_registrations=MAX_CLIENTS,
-            max_subscriptions_per_role=MAX_CLIENTS,
-            ttl=3600.0,
-        )
+        self.registry = bench_registry()
         self.status = SourceStatus()
         self.store = TimedStore()
         self.shutdown = trio.Event()
@@ -209,15 +228,7 @@ class Runner:
 
     async def main(self) -> None:
         args = self.args
-        settings = roomy_settings(
-            ServerSettings(
-                host="127.0.0.1",
-                port=0,
-                session=SessionSettings(idle_timeout=3600.0),
-                shutdown_grace=2.0,
-                protocol_limits=protocol_limits(args),
-            )
-        )
+        settings = bench_settings(protocol_limits(args))
         if args.source == "driver":
             self.jobs = make_jobs(args.jobs, args.servers)
             if args.large_servers:

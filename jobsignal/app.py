@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import trio
@@ -28,14 +29,15 @@ from jobsignal.fanout import Broadcaster
 from jobsignal.kube.api import KubeApi, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.watcher import Watcher, WatchSettings
-from jobsignal.metrics import MetricSources, build_registry
-from jobsignal.metrics_server import HttpStats, run_metrics_server
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
 from jobsignal.rpc.tls import TlsConfigError, build_context
-from jobsignal.sim.demo import run_demo_cluster
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
+
+if TYPE_CHECKING:  # imported where used: without them a server loads no prometheus_client or h11
+    from jobsignal.metrics import MetricSources
+    from jobsignal.metrics_server import HttpStats
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,8 @@ async def run_source(
     settings = WatchSettings.from_config(config)
     async with trio.open_nursery() as nursery:
         if connection is None:
+            from jobsignal.sim.demo import run_demo_cluster  # (the emulator, for the demo only)
+
             log.warning("no Kubernetes cluster configured: serving the embedded DEMO cluster")
             emulator = await nursery.start(run_demo_cluster)
             connection = KubeConnection(
@@ -186,6 +190,8 @@ def metric_sources(
     status: SourceStatus,
     http_stats: HttpStats,
 ) -> MetricSources:
+    from jobsignal.metrics import MetricSources
+
     def subscribers() -> Counter[tuple[str, str]]:
         return Counter((s.kind.value, s.role) for s in broadcaster.subscribers)
 
@@ -301,6 +307,9 @@ async def run_jobsignal(
         )
         metrics_port = None
         if config.metrics_listen is not None:
+            from jobsignal.metrics import build_registry
+            from jobsignal.metrics_server import HttpStats, run_metrics_server
+
             http_stats = HttpStats()
             sources = metric_sources(
                 broadcaster, registry, server, store, watcher, status, http_stats

@@ -35,8 +35,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
 from jobsignal.kube.exec_credentials import API_VERSIONS, ExecCredentials, ExecPlugin, exec_info
 from jobsignal.text import quote
 
@@ -329,6 +327,8 @@ def _parse_file(path: Path) -> _Config:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise KubeConfigError(f"cannot read kubeconfig {path}: {_os_reason(exc)}") from None
+    import yaml  # only for a kubeconfig: an in-cluster server never loads PyYAML
+
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -21,12 +21,20 @@ when `jobsignal` is imported. It stays necessary while grpclib caches
 `asyncio.current_task` at import (0.4.9); a grpclib that looks it up at
 call time, or a trio-asyncio that sets the C-level running loop, makes it a
 no-op.
+
+And it keeps an idle connection small (docs/architecture.md section 8, "Lean
+per-connection state"). h2, grpclib and asyncio hold about twenty
+`collections.deque`s per connection and stream (each setting of both peers,
+HPACK's tables, every asyncio Event's and Queue's waiters, the stream's
+buffers), at about 760 bytes each even when empty, and two dicts of bound
+methods; the `lighten_*` functions swap them for the containers of
+`rpc.lean`, and `accept_request` drops a finished handler task at once,
+where grpclib kept it (and its stream) until the connection's tenth request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import socket
 from collections.abc import Callable, Sequence
@@ -38,10 +46,13 @@ import grpclib.utils
 import trio_asyncio  # noqa: F401  (imported for its patch of asyncio.current_task)
 from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
+from grpclib.protocol import Stream as ProtocolStream
 from h2.connection import H2Connection
 from h2.events import Event, RequestReceived, StreamReset
 from h2.exceptions import StreamClosedError
 from h2.settings import SettingCodes
+
+from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
 PINNED_GRPCLIB = "0.4.9"
 
@@ -136,9 +147,90 @@ def advertise_stream_limit(h2_connection: H2Connection, advertised: int, enforce
     lost); the server refuses the streams in between one by one instead."""
     h2_connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: advertised})
     # The acknowledgement would make `advertised` h2's own limit: keep `enforced`.
-    h2_connection.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = collections.deque(
+    h2_connection.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = SmallDeque(
         [enforced]
-    )
+    )  # type: ignore[assignment]
+
+
+# -- lighter containers (rpc.lean) ---------------------------------------------------------------
+
+
+def lighten_settings(h2_connection: H2Connection) -> None:
+    """Hold each setting of both peers in a `SmallDeque` instead of h2's deque.
+
+    h2 keeps, per setting, the current value followed by the values not yet
+    acknowledged; it appends, reads `[0]` and `len()`, and `popleft`s on an
+    acknowledgement. It makes a new deque for a setting it has not seen,
+    which a peer's SETTINGS frame may name at any time, so this runs again
+    after each of them (`RemoteSettingsChanged`); the values are kept as they are.
+    """
+    for settings in (h2_connection.local_settings, h2_connection.remote_settings):
+        held: dict[Any, Any] = settings._settings
+        for code, values in list(held.items()):
+            if type(values) is not SmallDeque:
+                held[code] = SmallDeque(values)
+
+
+def lighten_header_tables(h2_connection: H2Connection) -> None:
+    """HPACK's dynamic tables (the encoder's and the decoder's) as `NewestFirst`.
+
+    hpack adds an entry with `appendleft`, evicts with `pop`, looks entries up
+    by index and by iterating, and `clear`s the table when it shrinks to nothing.
+    """
+    for coder in (h2_connection.encoder, h2_connection.decoder):
+        table: Any = coder.header_table
+        table.dynamic_entries = NewestFirst(table.dynamic_entries)
+
+
+def lighten_dispatch_tables(h2_connection: H2Connection, processor: EventsProcessor) -> None:
+    """h2's frame handlers and grpclib's event processors as `MethodTable`s.
+
+    h2 looks a received frame's class up in `_frame_dispatch_table` (and
+    grpclib deletes the table when the connection closes); grpclib looks an
+    event's class up in `processors` (a KeyError there is an unknown event),
+    `set_event_handler` replaces entries, and grpclib deletes it on close.
+    """
+    light: Any = h2_connection
+    light._frame_dispatch_table = MethodTable(h2_connection, h2_connection._frame_dispatch_table)
+    events: Any = processor
+    events.processors = MethodTable(processor, events.processors)
+
+
+def _lighten_event(event: asyncio.Event) -> None:
+    # Event appends its waiters' futures, removes them and iterates over them.
+    light: Any = event
+    light._waiters = SmallDeque(event._waiters)
+
+
+def _lighten_queue(queue: asyncio.Queue[Any]) -> None:
+    # Queue appends, `popleft`s and removes waiters; its items are appended and
+    # `popleft`ed, counted and iterated (repr). Its `_finished` is an Event.
+    light: Any = queue
+    light._getters = SmallDeque(light._getters)
+    light._putters = SmallDeque(light._putters)
+    light._queue = Fifo(light._queue)
+    _lighten_event(light._finished)
+
+
+def lighten_connection(connection: Connection) -> None:
+    """grpclib's per-connection Events (`write_ready`, `stream_close_waiter`)
+    with light waiter lists."""
+    _lighten_event(connection.write_ready)
+    _lighten_event(connection.stream_close_waiter)
+
+
+def lighten_stream(stream: ProtocolStream) -> None:
+    """A new grpclib stream's Events, receive queue and chunk buffer, made light.
+
+    The stream's `Buffer` puts every DATA frame into an asyncio.Queue, moves
+    what it reads into a deque of chunks (append, `[0]` read and replaced,
+    `popleft`); a peer can send many tiny frames, so both become `Fifo`s.
+    """
+    for event in (stream.window_updated, stream.headers_received, stream.trailers_received):
+        _lighten_event(event)
+    buffer: Any = stream.buffer
+    _lighten_queue(buffer._unacked)
+    buffer._acked = Fifo(buffer._acked)
 
 
 def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) -> None:
@@ -148,18 +240,23 @@ def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) ->
     through h2's `send_data` (one frame per call, as frames are split to the
     peer's frame size before) and `send_headers`.
     """
-    send_data, send_headers = h2_connection.send_data, h2_connection.send_headers
+    setattr(h2_connection, "send_data", _Noted(h2_connection.send_data, callback))  # noqa: B010
+    setattr(h2_connection, "send_headers", _Noted(h2_connection.send_headers, callback))  # noqa: B010
 
-    def noted_send_data(*args: Any, **kwargs: Any) -> None:
-        callback()
-        send_data(*args, **kwargs)
 
-    def noted_send_headers(*args: Any, **kwargs: Any) -> None:
-        callback()
-        send_headers(*args, **kwargs)
+class _Noted:
+    """An h2 send method that calls `callback` first (an object with two slots, not a
+    closure: one of these per connection and method)."""
 
-    setattr(h2_connection, "send_data", noted_send_data)  # noqa: B010
-    setattr(h2_connection, "send_headers", noted_send_headers)  # noqa: B010
+    __slots__ = ("_callback", "_send")
+
+    def __init__(self, send: Callable[..., None], callback: Callable[[], None]) -> None:
+        self._send = send
+        self._callback = callback
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self._callback()
+        self._send(*args, **kwargs)
 
 
 # -- reading requests and writing responses on a server stream ----------------------------------
@@ -260,20 +357,44 @@ def accept_request(processor: EventsProcessor, event: RequestReceived) -> None:
     processor forever. Here the release also runs when the task is done, once.
     """
     stream = processor.connection.create_stream(stream_id=event.stream_id)
-    release = processor.register(stream)
-    released = False
-
-    def release_once() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            release()
-
+    lighten_stream(stream)
+    release = _ReleaseOnce(processor.register(stream), processor.handler, stream)
     handler = processor.handler
-    handler.accept(stream, event.headers, release_once)  # type: ignore[arg-type]
+    handler.accept(stream, event.headers, release)  # type: ignore[arg-type]
     task: asyncio.Task[None] | None = getattr(handler, "_tasks", {}).get(stream)
     if task is not None:
-        task.add_done_callback(lambda _: release_once())
+        task.add_done_callback(release.task_done)
+
+
+class _ReleaseOnce:
+    """grpclib's release of one stream, run once: by its handler's `finally` or when
+    its task is done, whichever comes first (a slotted object, not closures)."""
+
+    __slots__ = ("_handler", "_release", "_stream")
+
+    def __init__(self, release: Callable[[], None], handler: Any, stream: ProtocolStream) -> None:
+        self._release: Callable[[], None] | None = release
+        self._handler = handler
+        self._stream = stream
+
+    def __call__(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        self()
+        forget_task(self._handler, self._stream, task)
+
+
+def forget_task(handler: Any, stream: ProtocolStream, task: asyncio.Task[None]) -> None:
+    """Drop a finished handler task from grpclib's `Handler`, as its own clean-up
+    does, but now: that runs only every tenth request of a connection, and until
+    then a finished Register (say) kept its task and its whole stream."""
+    tasks: dict[ProtocolStream, asyncio.Task[None]] = handler._tasks  # rebuilt by each clean-up
+    if tasks.get(stream) is task:
+        del tasks[stream]
+    handler._cancelled.discard(task)
 
 
 def reset_stream(processor: EventsProcessor, event: StreamReset) -> None:

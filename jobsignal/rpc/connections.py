@@ -176,6 +176,8 @@ class ObservedH2Protocol(H2Protocol):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        _grpclib.lighten_connection(self.connection)
+        _grpclib.lighten_dispatch_tables(_grpclib.h2_connection_of(self), self.processor)
         self._transport = transport
         self._table.opened(self)
         if self._table.closing:
@@ -194,6 +196,8 @@ class ObservedH2Protocol(H2Protocol):
         h2_connection = _grpclib.h2_connection_of(self)
         advertised = self._table.limits.max_streams_per_connection
         _grpclib.advertise_stream_limit(h2_connection, advertised, hard_stream_limit(advertised))
+        _grpclib.lighten_settings(h2_connection)
+        _grpclib.lighten_header_tables(h2_connection)
         activity, budget = self.activity, self.budget
 
         def frames_sent() -> None:
@@ -288,9 +292,12 @@ class ObservedH2Protocol(H2Protocol):
         self.connection.flush()
         window_may_have_opened = False
         for event in events:
-            if isinstance(event, RemoteSettingsChanged) and self._handshake_timer is not None:
-                self._handshake_timer.cancel()
-                self._handshake_timer = None
+            if isinstance(event, RemoteSettingsChanged):
+                # h2 made a deque for each setting the peer named for the first time.
+                _grpclib.lighten_settings(_grpclib.h2_connection_of(self))
+                if self._handshake_timer is not None:
+                    self._handshake_timer.cancel()
+                    self._handshake_timer = None
             window_may_have_opened |= isinstance(event, WindowUpdated | RemoteSettingsChanged)
             self._process(event)
             if self.connection.is_closing():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +27,7 @@ from grpclib.exceptions import StreamTerminatedError
 from grpclib.protocol import Connection
 
 from jobsignal.rpc import _grpclib
+from jobsignal.rpc.lean import Fifo
 
 Stream = grpclib.server.Stream[Any, Any]
 
@@ -53,7 +53,8 @@ class ConnectionOutput:
         self._connection = connection
         self._flush_scheduled = False
         self._pump_scheduled = False
-        self._waiting: deque[_Waiting] = deque()
+        # Not a deque: one costs 760 bytes on every idle connection.
+        self._waiting: Fifo[_Waiting] = Fifo()
 
     @property
     def has_waiting(self) -> bool:

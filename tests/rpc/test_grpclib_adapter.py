@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import sys
+from typing import Any
 
+import grpclib.protocol
 import grpclib.utils
+import pytest
 import trio
 import trio_asyncio
+from grpclib.config import Configuration
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import Event as H2Event
+from h2.events import (
+    PingReceived,
+    RemoteSettingsChanged,
+    RequestReceived,
+    ResponseReceived,
+    SettingsAcknowledged,
+)
+from h2.settings import SettingCodes
 
 import jobsignal  # noqa: F401  (importing jobsignal installs the adapter)
+from jobsignal.rpc import _grpclib
+from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
 
 def test_grpclib_looks_up_the_current_task_through_trio_asyncio() -> None:
@@ -52,9 +71,331 @@ async def test_every_grpclib_internal_the_adapter_uses_exists() -> None:
     for name in processor_methods:
         assert callable(getattr(grpclib.protocol.EventsProcessor, name)), name
     assert "processors" in grpclib.protocol.EventsProcessor.__init__.__code__.co_names
-    assert "_tasks" in grpclib.server.Handler.__init__.__code__.co_names
+    for name in ["_tasks", "_cancelled"]:  # forget_task drops finished tasks from both
+        assert name in grpclib.server.Handler.__init__.__code__.co_names, f"Handler.{name}"
     connection = h2.connection.H2Connection()
     assert isinstance(connection.local_settings._settings, dict)
     assert h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS in connection.local_settings._settings
     for name in ["send_data", "send_headers", "reset_stream", "close_connection", "streams"]:
         assert hasattr(connection, name), f"H2Connection.{name}"
+
+
+# -- lighter containers: each replaced attribute, its type before, behaviour after -------------
+
+
+# A setting id no peer sent before (hyperframe writes ids as one byte).
+UNKNOWN_SETTING = 0x10
+
+
+def h2_pair() -> tuple[H2Connection, H2Connection]:
+    """A server and a client h2 connection that have exchanged prefaces and SETTINGS."""
+    server = H2Connection(H2Configuration(client_side=False, header_encoding="ascii"))
+    client = H2Connection(H2Configuration(client_side=True, header_encoding="ascii"))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    return server, client
+
+
+def settings_containers(h2_connection: H2Connection) -> list[object]:
+    return [
+        *h2_connection.local_settings._settings.values(),
+        *h2_connection.remote_settings._settings.values(),
+    ]
+
+
+def test_h2_settings_acknowledgement_works_on_light_containers() -> None:
+    server, client = h2_pair()
+    assert all(type(held) is collections.deque for held in settings_containers(server))
+    _grpclib.lighten_settings(server)
+    assert all(type(held) is SmallDeque for held in settings_containers(server))
+    default = server.local_settings.initial_window_size
+    # Changed twice before the peer acknowledges: each ACK applies one change, in order.
+    server.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 1000})
+    server.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 2000})
+    assert server.local_settings.initial_window_size == default
+    client.receive_data(server.data_to_send())
+    acks = client.data_to_send()
+    assert len(acks) == 18  # two empty SETTINGS frames with ACK
+    (first,) = server.receive_data(acks[:9])
+    assert isinstance(first, SettingsAcknowledged)
+    changed = first.changed_settings[SettingCodes.INITIAL_WINDOW_SIZE]
+    assert (changed.original_value, changed.new_value) == (default, 1000)
+    assert server.local_settings.initial_window_size == 1000
+    (second,) = server.receive_data(acks[9:])
+    assert isinstance(second, SettingsAcknowledged)
+    assert server.local_settings.initial_window_size == 2000
+    # A setting the peer names for the first time gets a new deque from h2 ...
+    client.update_settings({SettingCodes.MAX_HEADER_LIST_SIZE: 8192, UNKNOWN_SETTING: 1})
+    events = server.receive_data(client.data_to_send())
+    assert any(isinstance(event, RemoteSettingsChanged) for event in events)
+    assert type(server.remote_settings._settings[UNKNOWN_SETTING]) is collections.deque
+    # ... which the next pass (run after every RemoteSettingsChanged) makes light too.
+    _grpclib.lighten_settings(server)
+    assert all(type(held) is SmallDeque for held in settings_containers(server))
+    assert server.remote_settings.max_header_list_size == 8192
+    assert server.remote_settings[UNKNOWN_SETTING] == 1
+
+
+def test_advertised_stream_limit_survives_the_acknowledgement() -> None:
+    server, client = h2_pair()
+    _grpclib.advertise_stream_limit(server, 10, 110)
+    _grpclib.lighten_settings(server)
+    client.receive_data(server.data_to_send())
+    assert client.remote_settings.max_concurrent_streams == 10  # what the peer is told
+    server.receive_data(client.data_to_send())  # its ACK
+    assert server.local_settings.max_concurrent_streams == 110  # what h2 enforces
+
+
+def headers_of(event: RequestReceived | ResponseReceived) -> list[tuple[object, object]]:
+    return [tuple(header) for header in event.headers or []]  # type: ignore[misc]
+
+
+def kind(held: object) -> type[object]:
+    """The exact type of a container (its declared type says deque; it may not be one)."""
+    return type(held)
+
+
+def request_and_response(server: H2Connection, client: H2Connection, index: int) -> bytes:
+    """One request (headers that fill and churn the server's decoder table) and its
+    response (churning the server's encoder table); the bytes the server wrote."""
+    stream_id = 2 * index + 1
+    client.send_headers(
+        stream_id,
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/job.Job/SubscribeJobSummarySignal"),
+            (":authority", "127.0.0.1"),
+            (f"x-request-{index % 7}", "v" * (50 + index)),
+        ],
+        end_stream=True,
+    )
+    (request, *_) = server.receive_data(client.data_to_send())
+    assert isinstance(request, RequestReceived)
+    assert (f"x-request-{index % 7}", "v" * (50 + index)) in headers_of(request)
+    server.send_headers(
+        stream_id,
+        [(":status", "200"), ("grpc-status", "0"), ("grpc-message", f"done {index}" * 20)],
+        end_stream=True,
+    )
+    written = server.data_to_send()
+    (response, *_) = client.receive_data(written)
+    assert isinstance(response, ResponseReceived)
+    assert ("grpc-message", f"done {index}" * 20) in headers_of(response)
+    return written
+
+
+def test_hpack_tables_encode_the_same_bytes_when_light() -> None:
+    plain, plain_client = h2_pair()
+    light, light_client = h2_pair()
+    tables = [light.encoder.header_table, light.decoder.header_table]
+    assert all(type(table.dynamic_entries) is collections.deque for table in tables)
+    _grpclib.lighten_header_tables(light)
+    assert all(kind(table.dynamic_entries) is NewestFirst for table in tables)
+    # Far more than the 4,096-byte tables hold: entries are evicted all along.
+    for index in range(60):
+        assert request_and_response(light, light_client, index) == request_and_response(
+            plain, plain_client, index
+        )
+    for light_table, plain_table in zip(
+        tables, [plain.encoder.header_table, plain.decoder.header_table], strict=True
+    ):
+        assert list(light_table.dynamic_entries) == list(plain_table.dynamic_entries)
+        assert len(light_table.dynamic_entries) == len(plain_table.dynamic_entries) > 0
+
+
+class RecordingTransport:
+    """Enough of an asyncio transport for grpclib's Connection and Stream."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def grpclib_stream() -> tuple[grpclib.protocol.Connection, grpclib.protocol.Stream, H2Connection]:
+    """A grpclib server connection with one open request stream (id 1) from a client."""
+    server, client = h2_pair()
+    request = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
+    client.send_headers(1, request)
+    server.receive_data(client.data_to_send())
+    transport: Any = RecordingTransport()
+    connection = grpclib.protocol.Connection(server, transport, config=Configuration())
+    return connection, connection.create_stream(stream_id=1), client
+
+
+def stream_events(stream: grpclib.protocol.Stream) -> list[asyncio.Event]:
+    return [stream.window_updated, stream.headers_received, stream.trailers_received]
+
+
+async def test_grpclib_events_wake_their_waiters_when_light() -> None:
+    async def scenario() -> None:
+        connection, stream, _ = grpclib_stream()
+        events = [connection.write_ready, connection.stream_close_waiter, *stream_events(stream)]
+        assert all(type(event._waiters) is collections.deque for event in events)
+        _grpclib.lighten_connection(connection)
+        _grpclib.lighten_stream(stream)
+        assert all(kind(event._waiters) is SmallDeque for event in events)
+        for event in events:
+            event.clear()
+            waiters = [asyncio.ensure_future(event.wait()) for _ in range(3)]
+            await asyncio.sleep(0)
+            assert len(event._waiters) == 3
+            waiters[1].cancel()  # a waiter that goes away is removed from the list
+            await asyncio.sleep(0)
+            assert len(event._waiters) == 2
+            event.set()
+            assert await waiters[0] and await waiters[2]
+            assert waiters[1].cancelled()
+            assert not event._waiters
+
+    async with trio_asyncio.open_loop():
+        await trio_asyncio.aio_as_trio(scenario)()
+
+
+async def test_grpclib_stream_buffer_reads_and_waits_when_light() -> None:
+    async def scenario() -> None:
+        connection, stream, client = grpclib_stream()
+        buffer: Any = stream.buffer
+        queue: Any = buffer._unacked
+        assert kind(queue) is asyncio.Queue
+        assert kind(buffer._acked) is collections.deque
+        for name in ("_getters", "_putters", "_queue"):
+            assert kind(getattr(queue, name)) is collections.deque, name
+        assert kind(queue._finished._waiters) is collections.deque
+        _grpclib.lighten_stream(stream)
+        assert kind(buffer._acked) is Fifo and kind(queue._queue) is Fifo
+        assert kind(queue._getters) is SmallDeque and kind(queue._putters) is SmallDeque
+        assert kind(queue._finished._waiters) is SmallDeque
+        # A read waits for data (a waiting getter), then takes part of a chunk
+        # (the chunk buffer's `[0]` is replaced) and the rest of it.
+        read = asyncio.ensure_future(stream.recv_data(2))
+        await asyncio.sleep(0)
+        assert len(queue._getters) == 1
+        stream.buffer.add(b"abcdef", 6)
+        assert await read == b"ab"
+        assert await stream.recv_data(4) == b"cdef"
+        # Many small chunks, read across their boundaries; every byte is acknowledged.
+        for index in range(100):
+            stream.buffer.add(bytes([65 + index % 26]), 1)
+        assert await stream.recv_data(60) == bytes(65 + i % 26 for i in range(60))
+        assert await stream.recv_data(40) == bytes(65 + i % 26 for i in range(60, 100))
+        assert not buffer._acked and queue.empty()
+        # Getters that give up are removed; the next item goes to one still waiting.
+        first, second = asyncio.ensure_future(queue.get()), asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.sleep(0)
+        assert len(queue._getters) == 1
+        queue.put_nowait("item")
+        assert await second == "item"
+        stream.buffer.eof()
+        assert await stream.recv_data(1) == b""
+        if sys.version_info >= (3, 13):  # Queue.shutdown pops every waiter
+            waiting = asyncio.ensure_future(queue.get())
+            await asyncio.sleep(0)
+            queue.shutdown()
+            with pytest.raises(asyncio.QueueShutDown):
+                await waiting
+        del connection, client
+
+    async with trio_asyncio.open_loop():
+        await trio_asyncio.aio_as_trio(scenario)()
+
+
+def frame_exchange(server: H2Connection, client: H2Connection) -> list[str]:
+    """Every kind of frame a client sends a server; the events (by name) it produced."""
+    names: list[str] = []
+
+    def deliver() -> None:
+        names.extend(type(event).__name__ for event in server.receive_data(client.data_to_send()))
+        client.receive_data(server.data_to_send())
+
+    request = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
+    client.send_headers(1, request)
+    client.send_data(1, b"request")
+    client.increment_flow_control_window(1000)
+    client.ping(b"12345678")
+    client.prioritize(1, weight=32)
+    client.update_settings({SettingCodes.MAX_FRAME_SIZE: 32768})
+    deliver()
+    client.send_headers(3, request, end_stream=True)
+    client.reset_stream(1)
+    client.close_connection()
+    deliver()
+    return names
+
+
+def test_h2_frames_are_dispatched_the_same_with_a_method_table() -> None:
+    plain, plain_client = h2_pair()
+    light, light_client = h2_pair()
+    assert isinstance(light._frame_dispatch_table, dict)
+    _grpclib.lighten_dispatch_tables(light, grpclib_processor(light))
+    assert isinstance(light._frame_dispatch_table, MethodTable)
+    events = frame_exchange(light, light_client)
+    assert events == frame_exchange(plain, plain_client)
+    assert {"RequestReceived", "DataReceived", "PingReceived", "StreamReset"} <= set(events)
+    assert "ConnectionTerminated" in events
+
+
+class RecordingHandler:
+    """A grpclib request handler that records what it is given."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int | None] = []
+        self.closed = False
+
+    def accept(self, stream: Any, headers: Any, release_stream: Any) -> None:
+        self.accepted.append(stream.id)
+
+    def cancel(self, stream: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def grpclib_processor(h2_connection: H2Connection) -> grpclib.protocol.EventsProcessor:
+    transport: Any = RecordingTransport()
+    connection = grpclib.protocol.Connection(h2_connection, transport, config=Configuration())
+    handler: Any = RecordingHandler()
+    return grpclib.protocol.EventsProcessor(handler, connection)
+
+
+class OtherEvent(H2Event):
+    """An event grpclib has no processor for."""
+
+
+def test_grpclib_events_are_processed_the_same_with_a_method_table() -> None:
+    server, client = h2_pair()
+    processor = grpclib_processor(server)
+    assert isinstance(processor.processors, dict)
+    _grpclib.lighten_dispatch_tables(server, processor)
+    assert isinstance(processor.processors, MethodTable)
+    pings: list[object] = []
+    _grpclib.set_event_handler(processor, PingReceived, pings.append)
+    request = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
+    client.send_headers(1, request)
+    client.ping(b"12345678")
+    for event in server.receive_data(client.data_to_send()):
+        processor.process(event)  # grpclib's own dispatch
+    handler: Any = processor.handler
+    assert handler.accepted == [1]  # process_request_received, found by name
+    assert len(pings) == 1  # the handler set on top
+    with pytest.raises(NotImplementedError):  # an event grpclib has no processor for
+        processor.process(OtherEvent())
+    _grpclib.process_event(processor, OtherEvent())  # the adapter ignores it
+    processor.close()  # deletes its processors, as grpclib does
+    assert handler.closed and not hasattr(processor, "processors")
+    _grpclib.process_event(processor, PingReceived(ping_data=b"12345678"))
+    assert len(pings) == 1
