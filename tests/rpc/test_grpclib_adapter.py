@@ -399,3 +399,30 @@ def test_grpclib_events_are_processed_the_same_with_a_method_table() -> None:
     assert handler.closed and not hasattr(processor, "processors")
     _grpclib.process_event(processor, PingReceived(ping_data=b"12345678"))
     assert len(pings) == 1
+
+
+async def test_connection_can_send_follows_the_socket_and_the_shared_window() -> None:
+    """The waiting streams' pump stops on it: it must turn False when the connection's
+    window is used up or the socket is paused, and True again when either reopens."""
+
+    async def scenario() -> None:
+        connection, _, client = grpclib_stream()
+        server = connection._connection
+        connection.write_ready.set()
+        assert _grpclib.connection_can_send(connection)
+        server.send_headers(1, [(":status", "200")])
+        window = server.outbound_flow_control_window
+        frame = server.max_outbound_frame_size
+        for start in range(0, window, frame):
+            server.send_data(1, b"x" * min(frame, window - start))
+        assert server.outbound_flow_control_window == 0
+        assert not _grpclib.connection_can_send(connection)
+        client.receive_data(server.data_to_send())
+        client.increment_flow_control_window(1024)
+        server.receive_data(client.data_to_send())
+        assert _grpclib.connection_can_send(connection)
+        connection.write_ready.clear()  # the socket is paused
+        assert not _grpclib.connection_can_send(connection)
+
+    async with trio_asyncio.open_loop():
+        await trio_asyncio.aio_as_trio(scenario)()
