@@ -10,6 +10,10 @@ import bisect
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jobsignal.fanout.subscriber import EndReason
 
 # Seconds from the watcher seeing an event to its bytes being handed to the
 # client's connection: sub-millisecond to a slow client's many seconds.
@@ -54,5 +58,9 @@ class FanoutStats:
     batches_written_waiting: int = 0
     # Job events that could not be encoded or queued, by where it failed.
     events_dropped: Counter[str] = field(default_factory=Counter)
+    # Streams ended, by `EndReason` value (the metrics' label); see `stream_ended`.
     stream_ends: Counter[str] = field(default_factory=Counter)
     delivery_latency: Histogram = field(default_factory=Histogram)
+
+    def stream_ended(self, reason: EndReason) -> None:
+        self.stream_ends[reason.value] += 1

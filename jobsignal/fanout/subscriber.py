@@ -29,12 +29,19 @@ class StreamKind(enum.Enum):
 
 
 class EndReason(enum.Enum):
-    """Why the server ended a subscription (the gRPC layer turns it into a status)."""
+    """Why a subscription stream ended, as `FanoutStats.stream_ends` counts it.
+
+    The first four are the server's: set on the subscriber (`Subscriber.end`),
+    turned into a gRPC status by `rpc`. The last two it does not choose: a
+    stream refused before it subscribed, and a client that went away.
+    """
 
     IDLE = "idle"
     SLOW = "slow"
     REPLACED = "replaced"
     SHUTDOWN = "shutdown"
+    REFUSED = "refused"
+    CLIENT_GONE = "client_gone"
 
 
 # Snapshot batches are never coalesced: each carries different jobs.

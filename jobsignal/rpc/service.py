@@ -23,7 +23,7 @@ import trio_asyncio
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
-from jobsignal.fanout import Broadcaster, StreamKind
+from jobsignal.fanout import Broadcaster, EndReason, StreamKind
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.limits import RateLimiter
@@ -127,7 +127,7 @@ class JobService:
         fault_log.log(
             logging.INFO, f"rate_limited:{what}", "refused %s from %s: %s", what, ip, refusal
         )
-        self.broadcaster.stats.stream_ends["refused"] += 1
+        self.broadcaster.stats.stream_ended(EndReason.REFUSED)
         await stream.send_trailing_metadata(
             status=grpclib.const.Status.RESOURCE_EXHAUSTED, status_message=refusal
         )

@@ -61,12 +61,12 @@ class StreamEnd:
     """How a stream ended: the gRPC status and message the client receives."""
 
     status: Status
-    message: str | None = None
-    reason: str = "ok"
+    message: str | None
+    reason: EndReason
 
     @property
     def close_connection_if_unused(self) -> bool:
-        return self.reason == EndReason.IDLE.value
+        return self.reason is EndReason.IDLE
 
 
 def end_for(reason: EndReason, settings: SessionSettings, pending: int = 0) -> StreamEnd:
@@ -76,22 +76,22 @@ def end_for(reason: EndReason, settings: SessionSettings, pending: int = 0) -> S
             Status.UNAVAILABLE,
             f"idle for {seconds}s without messages or heartbeats; enable gRPC keepalive"
             " (for example every 30s) to keep a quiet subscription open",
-            reason.value,
+            reason,
         )
     if reason is EndReason.SLOW:
         return StreamEnd(
             Status.RESOURCE_EXHAUSTED,
             "client fell too far behind the job events and was disconnected; read the"
             " stream promptly, then register and subscribe again",
-            reason.value,
+            reason,
         )
     if reason is EndReason.REPLACED:
         return StreamEnd(
             Status.ABORTED,
             "replaced by a newer subscription with the same clientId",
-            reason.value,
+            reason,
         )
-    return StreamEnd(Status.UNAVAILABLE, "server shutting down", reason.value)
+    return StreamEnd(Status.UNAVAILABLE, "server shutting down", reason)
 
 
 class IdleDeadline:
@@ -157,8 +157,8 @@ async def serve_subscription(
                 "reason": refusal.status.name,
             },
         )
-        broadcaster.stats.stream_ends["refused"] += 1
-        return StreamEnd(refusal.status, refusal.message, "refused")
+        broadcaster.stats.stream_ended(EndReason.REFUSED)
+        return StreamEnd(refusal.status, refusal.message, EndReason.REFUSED)
     if replaced is not None:
         for other in broadcaster.subscribers:
             if other.client_id == client_id:
@@ -205,8 +205,9 @@ async def serve_subscription(
         return end_for(subscriber.end_reason, settings)
     finally:
         # Reached on every path, including the client going away (cancellation).
-        reason = subscriber.end_reason.value if subscriber.end_reason else "client_gone"
-        broadcaster.stats.stream_ends[reason] += 1
+        why = subscriber.end_reason or EndReason.CLIENT_GONE
+        broadcaster.stats.stream_ended(why)
+        reason = why.value
         activity.heartbeat_listeners.discard(idle.touch)
         broadcaster.unsubscribe(subscriber)
         registry.release(claim)
