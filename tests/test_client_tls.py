@@ -8,6 +8,7 @@ by every success, and its absence by the verification failure.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -16,14 +17,17 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
-from rpc import expected_signal, local_settings, make_job, open_jobsignal_server, wait_until
-from rpc.test_tls import write_pair
 
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.cli import EXIT_USAGE, build_parser, subscribe_options
 from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription
 from jobsignal.config import ConfigError
 from jobsignal.rpc.tls import TlsFiles
+from tests.support.factories import make_job
+from tests.support.grpc_server import local_settings, open_jobsignal_server
+from tests.support.grpcio import expected_signal
+from tests.support.tls import write_pair
+from tests.support.waiting import wait_until
 
 SERVER_NAME = "jobsignal.internal"
 
@@ -224,8 +228,9 @@ async def run_cli(argv: list[str], within: float) -> tuple[int | None, list[str]
         nursery.start_soon(read, stdout, out)
         nursery.start_soon(read, stderr, err)
         with trio.move_on_after(within):
-            while process.poll() is None and b"\n" not in out:
-                await trio.sleep(0.02)
+            await wait_until(
+                lambda: process.poll() is not None or b"\n" in out, within=math.inf, interval=0.02
+            )
         still_running = process.poll() is None
         if still_running:
             process.kill()

@@ -16,12 +16,13 @@ import urllib.request
 import grpc
 import trio
 import trio.testing
-from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
 from prometheus_client import CollectorRegistry
 
 from jobsignal.app import _handle_signals, readiness
 from jobsignal.metrics_server import route
 from jobsignal.status import SourceStatus
+from tests.support.grpcio import GrpcioClients, GrpcioStubs, cli_command, cli_env
+from tests.support.waiting import wait_until_blocking
 
 
 async def test_first_signal_drains_for_the_delay_then_shuts_down(
@@ -128,9 +129,12 @@ def test_sigterm_drains_a_real_server(
             if match := re.search(r"metrics on http://127\.0\.0\.1:(\d+)", line):
                 ports["metrics"] = int(match.group(1))
         readyz = f"http://127.0.0.1:{ports['metrics']}/readyz"
-        while _get(readyz) != 200:
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.05)
+        wait_until_blocking(
+            lambda: _get(readyz) == 200,
+            within=deadline - time.monotonic(),
+            what="/readyz 200",
+            interval=0.05,
+        )
 
         client = grpc_clients.connect(f"127.0.0.1:{ports['grpc']}")
         assert _health(grpcio_stubs, f"127.0.0.1:{ports['grpc']}") == {
@@ -144,9 +148,12 @@ def test_sigterm_drains_a_real_server(
 
         server.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        while _get(readyz) != 503:
-            assert time.monotonic() - signalled < 1.0, "/readyz did not turn 503 at once"
-            time.sleep(0.02)
+        wait_until_blocking(
+            lambda: _get(readyz) == 503,
+            within=signalled + 1.0 - time.monotonic(),
+            what="/readyz to turn 503 at once",
+            interval=0.02,
+        )
         assert _get(readyz.replace("readyz", "livez")) == 200
         target = f"127.0.0.1:{ports['grpc']}"
         assert _health(grpcio_stubs, target) == {"": "NOT_SERVING", "job.Job": "NOT_SERVING"}

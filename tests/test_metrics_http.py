@@ -22,7 +22,6 @@ import trio.testing
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
-from test_metrics import Scrape, kubeconfig_for, scrape, scrape_text
 
 from jobsignal import metrics_server
 from jobsignal.app import RunningJobsignal, run_jobsignal
@@ -35,6 +34,8 @@ from jobsignal.metrics_server import (
     run_metrics_server,
 )
 from jobsignal.sim.emulator import open_emulator
+from tests.support.cluster import TOKEN, write_kubeconfig
+from tests.support.metrics import Scrape, scrape, scrape_text
 
 UP = CollectorRegistry()
 Gauge("up", "Test.", registry=UP).set(1)
@@ -401,12 +402,12 @@ def test_gzip_accepted(accept_encoding: str, accepted: bool) -> None:
 
 
 async def test_the_whole_server_survives_and_counts_http_faults(tmp_path: Path) -> None:
-    async with open_emulator(token="t0ken") as emulator:
+    async with open_emulator(token=TOKEN) as emulator:
         config = load_config(
             {
                 "listen": "127.0.0.1:0",
                 "metrics_listen": "127.0.0.1:0",
-                "kubeconfig": str(kubeconfig_for(emulator, tmp_path / "config")),
+                "kubeconfig": str(write_kubeconfig(tmp_path / "config", emulator.url)),
                 "source": "kubernetes",
             },
             {},

@@ -20,12 +20,12 @@ from typing import Any
 import grpc
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients
-from rpc import in_thread, rpc_error
 
 from jobsignal.cli import main
 from jobsignal.config import ConfigError, load_config
 from jobsignal.logs import JsonFormatter, RateLimitedLog, TextFormatter, configure_logging
+from tests.support.grpcio import GrpcioClients, rpc_error
+from tests.support.threads import in_thread
 
 # 2026-12-01T09:00:00.123Z
 CREATED = 1_796_115_600.123

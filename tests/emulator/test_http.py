@@ -36,14 +36,12 @@ from jobsignal.sim.emulator import (
     open_emulator,
     run_emulator,
 )
+from tests.support.cluster import TOKEN
+from tests.support.tls import client_context, server_context
 
 Json = dict[str, Any]
-
-
-@pytest.fixture
-async def emu() -> AsyncIterator[KubeEmulator]:
-    async with open_emulator() as emulator:
-        yield emulator
+#: What every request to the `emu` fixture's emulator carries.
+AUTHORIZATION = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _client_timeout() -> float | None:
@@ -55,7 +53,9 @@ def _client_timeout() -> float | None:
 
 @pytest.fixture
 async def client(emu: KubeEmulator) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=emu.url, timeout=_client_timeout()) as http:
+    async with httpx.AsyncClient(
+        base_url=emu.url, headers=AUTHORIZATION, timeout=_client_timeout()
+    ) as http:
         yield http
 
 
@@ -94,7 +94,8 @@ async def raw_get(emu: KubeEmulator, target: str) -> tuple[list[bytes], bool]:
     assert url.hostname is not None and url.port is not None
     stream = await trio.open_tcp_stream(url.hostname, url.port)
     conn = h11.Connection(h11.CLIENT)
-    request = h11.Request(method="GET", target=target, headers=[("Host", "emulator")])
+    headers = [("Host", "emulator"), *AUTHORIZATION.items()]
+    request = h11.Request(method="GET", target=target, headers=headers)
     await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
     chunks: list[bytes] = []
     current = b""
@@ -716,28 +717,6 @@ async def test_bearer_token_and_rotation(autojump_clock: trio.testing.MockClock)
             emu.set_token("third", also_accept=["second"])
             assert (await new.get("/api/v1/configmaps")).status_code == 200
         assert emu.requests[-1].authorization == "Bearer second"
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-def server_context(ca: trustme.CA, *, client_certs: bool) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    if client_certs:
-        context.verify_mode = ssl.CERT_REQUIRED
-        ca.configure_trust(context)
-    return context
-
-
-def client_context(ca: trustme.CA, *, with_cert: bool) -> ssl.SSLContext:
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    if with_cert:
-        ca.issue_cert("jobsignal@example.com").configure_cert(context)
-    return context
 
 
 async def test_https(ca: trustme.CA) -> None:

@@ -6,7 +6,7 @@ it serves tokens and client certificates to the Kubernetes API emulator over
 127.0.0.1, directly or through a small HTTP proxy written here (CONNECT for
 https, absolute-URI forwarding for http). Caching by expiry runs in virtual
 time with a frozen `mock_clock` (the plugin process takes real time, which a
-frozen clock does not count); the plugin timeout with `autojump_clock`.
+frozen clock does not count), and so does the plugin timeout, jumped by hand.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ from jobsignal.kube.exec_credentials import (
 )
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
-
-from .helpers import Cluster, write_kubeconfig
-from .test_kube_credentials_e2e import https_context, open_source
+from tests.support.cluster import Cluster, write_kubeconfig
+from tests.support.tls import server_context
+from tests.support.waiting import wait_until
+from tests.support.watching import open_source
 
 PLUGIN = Path(__file__).with_name("fake_credential_plugin.py")
 V1 = "client.authentication.k8s.io/v1"
@@ -104,11 +105,6 @@ class Plugin:
 @pytest.fixture
 def plugin(tmp_path: Path) -> Plugin:
     return Plugin(tmp_path / "plugin")
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
 
 
 def exec_connection(
@@ -293,15 +289,6 @@ async def test_concurrent_requests_share_one_run(tmp_path: Path, plugin: Plugin)
     assert len(plugin.calls()) == 1
 
 
-async def until_called(plugin: Plugin, runs: int) -> None:
-    """Wait, in real time (the clock is frozen), until the plugin has started `runs` times."""
-    for _ in range(2000):
-        if len(plugin.calls()) >= runs:
-            return
-        await trio.testing.wait_all_tasks_blocked(0.01)
-    raise AssertionError(f"the plugin did not run {runs} times")
-
-
 async def test_plugin_that_hangs_is_killed(
     mock_clock: trio.testing.MockClock, tmp_path: Path, plugin: Plugin
 ) -> None:
@@ -316,7 +303,7 @@ async def test_plugin_that_hangs_is_killed(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(fetch)
-        await until_called(plugin, 1)
+        await wait_until(lambda: len(plugin.calls()) >= 1, within=20, what="the plugin to run")
         mock_clock.jump(RUN_TIMEOUT - 1)
         await trio.testing.wait_all_tasks_blocked(0.05)
         assert errors == []  # still waiting for the plugin
@@ -601,7 +588,7 @@ async def test_unusable_certificate_from_plugin_is_a_retryable_api_error(
     tmp_path: Path, plugin: Plugin, ca: trustme.CA
 ) -> None:
     plugin.respond(plugin.cert_files(ca.issue_cert("d"), "bad", chain=b"not a certificate"))
-    async with open_emulator(ssl_context=https_context(ca)) as emu:
+    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
         connection = exec_connection(
             tmp_path,
             plugin,
@@ -626,7 +613,7 @@ async def test_client_certificate_from_plugin_is_renewed_before_expiry(
         {**plugin.cert_files(ca.issue_cert("a", common_name="exec-one"), "one"), "expires_in": 600},
         {**plugin.cert_files(ca.issue_cert("b", common_name="exec-two"), "two"), "expires_in": 600},
     )
-    async with open_emulator(ssl_context=https_context(ca)) as emu:
+    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
         connection = exec_connection(
             tmp_path,
             plugin,
@@ -667,7 +654,7 @@ async def test_watcher_with_exec_client_certificate(
     tmp_path: Path, plugin: Plugin, ca: trustme.CA
 ) -> None:
     plugin.respond(plugin.cert_files(ca.issue_cert("c", common_name="exec-cert"), "c"))
-    async with open_emulator(ssl_context=https_context(ca)) as emu:
+    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
         cluster = Cluster(emu.state)
         cluster.write(JOB, "running")
         kubeconfig = write_kubeconfig(
@@ -809,7 +796,9 @@ async def test_proxy_url_tunnels_https(tmp_path: Path, plugin: Plugin, ca: trust
     # An exec plugin's token and client certificate, through CONNECT tunnels.
     client = ca.issue_cert("proxied", common_name="proxied")
     plugin.respond({"token": SECRET, **plugin.cert_files(client, "proxied")})
-    async with open_emulator(ssl_context=https_context(ca), token=SECRET) as emu:
+    async with open_emulator(
+        ssl_context=server_context(ca, client_certs=True), token=SECRET
+    ) as emu:
         cluster = Cluster(emu.state)
         cluster.write(JOB, "running")
         async with open_proxy() as proxy:

@@ -38,31 +38,11 @@ from jobsignal.sim.emulator import (
     open_emulator,
 )
 from jobsignal.status import SourceStatus
-
-from .helpers import (
-    SELECTOR,
-    WALL,
-    Cluster,
-    WatchHarness,
-    assert_no_duplicates,
-    assert_replays,
-    eventually,
-    expected_summary,
-    hccl,
-    open_watcher,
-)
-
-
-def job(
-    name: str, namespace: str = "ns", *, servers: int = 1, servers_per_configmap: int = 1000
-) -> ClusterdJob:
-    return ClusterdJob(
-        namespace,
-        name,
-        f"uid-{namespace}-{name}",
-        servers=servers,
-        servers_per_configmap=servers_per_configmap,
-    )
+from tests.support.cluster import SELECTOR, Cluster, expected_summary, hccl
+from tests.support.events import assert_no_duplicates, assert_replays
+from tests.support.factories import clusterd_job
+from tests.support.waiting import wait_until
+from tests.support.watching import WALL, WatchHarness, open_watcher
 
 
 def watches(emu: KubeEmulator) -> list[dict[str, str]]:
@@ -92,7 +72,7 @@ async def test_list_then_watch_from_the_lists_version(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a"), job("b", servers=2)
+        a, b = clusterd_job("a"), clusterd_job("b", servers=2)
         cluster.write(a, "pending")
         cluster.write(b, "running")
         # The newest write is not selected: the LIST's version is newer than any item's.
@@ -127,7 +107,12 @@ async def test_list_then_watch_from_the_lists_version(
 async def test_paged_list_assembles_every_item(autojump_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        jobs = [job("a"), job("big", servers=7, servers_per_configmap=2), job("c"), job("d")]
+        jobs = [
+            clusterd_job("a"),
+            clusterd_job("big", servers=7, servers_per_configmap=2),
+            clusterd_job("c"),
+            clusterd_job("d"),
+        ]
         for each in jobs:
             cluster.write(each, "running")
         assert len(emu.state) == 7
@@ -173,7 +158,7 @@ async def test_clean_watch_end_resumes_from_the_last_version_without_relist(
 ) -> None:
     async with open_emulator(bookmark_interval=60) as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a"), job("b")
+        a, b = clusterd_job("a"), clusterd_job("b")
         cluster.write(a, "pending")
         async with open_watcher(emu, WatchSettings(watch_timeout=5)) as harness:
             await harness.caught_up(cluster)
@@ -196,7 +181,7 @@ async def test_clean_watch_end_resumes_from_the_last_version_without_relist(
 async def test_bookmarks_advance_the_version(autojump_clock: trio.testing.MockClock) -> None:
     async with open_emulator(bookmark_interval=2) as emu:
         cluster = Cluster(emu.state)
-        a = job("a")
+        a = clusterd_job("a")
         cluster.write(a, "running")
         async with open_watcher(emu, WatchSettings(watch_timeout=10)) as harness:
             await harness.caught_up(cluster)
@@ -204,10 +189,10 @@ async def test_bookmarks_advance_the_version(autojump_clock: trio.testing.MockCl
             # Writes the selector filters out: no event, only bookmarks know of them.
             for i in range(5):
                 emu.state.create_configmap("ns", f"other-{i}", {"app": "x"}, {"i": str(i)})
-            await eventually(lambda: harness.watcher.counters.bookmarks >= 1)
+            await wait_until(lambda: harness.watcher.counters.bookmarks >= 1)
             # Forget all history: resuming from the last *event* would now be 410.
             emu.state.compact()
-            await eventually(lambda: len(watches(emu)) == 2, timeout=30)
+            await wait_until(lambda: len(watches(emu)) == 2, within=30)
             await trio.sleep(1)
             counters = harness.watcher.counters
             assert counters.events == 0
@@ -224,7 +209,7 @@ async def test_410_error_event_relists_and_emits_exactly_the_differences(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b, c, d, e = (job(name) for name in "abcde")
+        a, b, c, d, e = (clusterd_job(name) for name in "abcde")
         for each in (a, b, c, d):
             cluster.write(each, "running")
         emu.faults.push(ExpireWatch(after_events=1))
@@ -258,7 +243,7 @@ async def test_410_error_event_relists_and_emits_exactly_the_differences(
 async def test_plain_http_410_relists(autojump_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a"), job("b")
+        a, b = clusterd_job("a"), clusterd_job("b")
         cluster.write(a, "pending")
         cluster.write(b, "pending")
         wrote = False
@@ -294,12 +279,12 @@ async def test_repeated_410_backs_off_between_relists(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        cluster.write(job("a"), "running")
+        cluster.write(clusterd_job("a"), "running")
         emu.faults.push(*[HttpError(410, target="watch")] * 6)
         async with open_watcher(emu, rng=lambda: 1.0) as harness:
-            await eventually(lambda: len(emu.faults) == 0, timeout=120)
+            await wait_until(lambda: len(emu.faults) == 0, within=120)
             # The initial LIST plus one relist per 410.
-            await eventually(lambda: harness.watcher.counters.lists == 7, timeout=120)
+            await wait_until(lambda: harness.watcher.counters.lists == 7, within=120)
             await harness.caught_up(cluster)
         # The first 410 relists at once; the next ones, with no progress in between,
         # should be spaced like any other error (0.8 s doubling, jitter down to half).
@@ -333,7 +318,7 @@ async def test_broken_watch_rewatches_without_relist_loss_or_duplicates(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a"), job("b", servers=3, servers_per_configmap=2)
+        a, b = clusterd_job("a"), clusterd_job("b", servers=3, servers_per_configmap=2)
         cluster.write(a, "pending")
         emu.faults.push(fault)
         async with open_watcher(emu, read_timeout=90.0) as harness:
@@ -363,7 +348,7 @@ async def test_broken_watch_resumes_after_the_last_event_it_delivered(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a = job("a")
+        a = clusterd_job("a")
         cluster.write(a, "pending")
         emu.faults.push(fault)
         async with open_watcher(emu, read_timeout=90.0) as harness:
@@ -374,7 +359,7 @@ async def test_broken_watch_resumes_after_the_last_event_it_delivered(
             cluster.write(a, "complete")  # event 2, then the stream breaks
             delivered = emu.state.resource_version
             await harness.caught_up(cluster, timeout=200)
-            await eventually(lambda: len(watches(emu)) == 2, timeout=200)
+            await wait_until(lambda: len(watches(emu)) == 2, within=200)
             await trio.sleep(1)
         statuses = [(j.job_status, j.operator) for j in harness.log.jobs()]
         assert statuses == [("pending", "add"), ("running", "add"), ("complete", "add")]
@@ -387,7 +372,7 @@ async def test_lines_split_over_reads_are_reassembled(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a", servers=5), job("b")
+        a, b = clusterd_job("a", servers=5), clusterd_job("b")
         emu.faults.push(SplitLines())
         async with open_watcher(emu) as harness:
             with trio.fail_after(10):
@@ -404,7 +389,7 @@ async def test_quiet_watch_with_bookmarks_is_not_restarted(
 ) -> None:
     async with open_emulator(bookmark_interval=60) as emu:
         cluster = Cluster(emu.state)
-        cluster.write(job("a"), "running")
+        cluster.write(clusterd_job("a"), "running")
         async with open_watcher(emu, WatchSettings(watch_timeout=600), read_timeout=90) as h:
             await h.caught_up(cluster)
             await trio.sleep(500)  # nothing happens but bookmarks
@@ -428,7 +413,7 @@ async def test_server_errors_back_off_exponentially_up_to_30s(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a = job("a")
+        a = clusterd_job("a")
         cluster.write(a, "pending")
         emu.faults.push(*[HttpError(500, target="list")] * 8)
         settings = WatchSettings(watch_timeout=5)
@@ -438,7 +423,7 @@ async def test_server_errors_back_off_exponentially_up_to_30s(
         ):
             seen: list[tuple[float, bool, bool]] = []
             nursery.start_soon(record_status, harness.status, seen)
-            await eventually(lambda: harness.watcher.counters.errors == 3)
+            await wait_until(lambda: harness.watcher.counters.errors == 3)
             assert not harness.status.ready.is_set() and not harness.status.in_sync
             assert "500" in harness.status.problem
             with trio.fail_after(200):
@@ -449,7 +434,7 @@ async def test_server_errors_back_off_exponentially_up_to_30s(
             # Later errors (after the watch times out): out of sync meanwhile,
             # the last state still served.
             emu.faults.push(*[HttpError(503, target="watch")] * 3)
-            await eventually(lambda: harness.watcher.counters.errors == 11)
+            await wait_until(lambda: harness.watcher.counters.errors == 11)
             assert not harness.status.in_sync
             assert harness.broadcaster.job_count() == 1
             cluster.write(a, "running")
@@ -496,10 +481,10 @@ async def test_429_honours_retry_after(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        cluster.write(job("a"), "running")
+        cluster.write(clusterd_job("a"), "running")
         emu.faults.push(HttpError(429, retry_after=retry_after, target="watch"))
         async with open_watcher(emu, rng=lambda: 0.5) as harness:
-            await eventually(lambda: len(watches(emu)) == 2, timeout=30)
+            await wait_until(lambda: len(watches(emu)) == 2, within=30)
             await harness.caught_up(cluster)
             assert harness.watcher.counters.errors == 1
         assert gaps(harness.sent_times("watch")) == pytest.approx([delay], abs=0.02)
@@ -544,7 +529,7 @@ async def test_401_invalidates_the_credentials_and_recovers(
     tokens = SpyTokens(token_file)
     async with open_emulator(token="token-1") as emu:
         cluster = Cluster(emu.state)
-        a = job("a")
+        a = clusterd_job("a")
         cluster.write(a, "pending")
         settings = WatchSettings(watch_timeout=5)
         async with open_watcher(emu, settings, tokens=tokens, credentials=tokens) as harness:
@@ -554,7 +539,7 @@ async def test_401_invalidates_the_credentials_and_recovers(
             emu.set_token("token-2")  # open watches are not checked again
             rewrite_in_place(token_file, "token-2")
             # The watch times out, the next one is refused.
-            await eventually(lambda: harness.watcher.counters.errors == 1)
+            await wait_until(lambda: harness.watcher.counters.errors == 1)
             assert not harness.status.in_sync
             cluster.write(a, "running")
             await harness.caught_up(cluster, timeout=30)
@@ -577,7 +562,7 @@ async def test_401_invalidates_the_credentials_and_recovers(
 async def test_api_server_restart_with_history_gap(
     autojump_clock: trio.testing.MockClock, drop_connections: bool
 ) -> None:
-    jobs = [job(f"job-{i}", servers=1 + i, servers_per_configmap=2) for i in range(6)]
+    jobs = [clusterd_job(f"job-{i}", servers=1 + i, servers_per_configmap=2) for i in range(6)]
     script = [("pending", each) for each in jobs[2:]] + [
         (step, each) for step in ("running", "complete", "delete", "remove") for each in jobs
     ]
@@ -585,7 +570,7 @@ async def test_api_server_restart_with_history_gap(
         cluster = Cluster(emu.state)
         for each in jobs[:2]:
             cluster.write(each, "pending")
-        survivor = job("survivor")
+        survivor = clusterd_job("survivor")
         cluster.write(survivor, "running")
         async with open_watcher(emu) as harness:
             await harness.caught_up(cluster)
@@ -620,7 +605,8 @@ async def test_namespaces_mode_watches_only_those_namespaces(
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state, namespaces=("a", "b"))
-        in_a, in_b, in_c = job("x", "a"), job("y", "b"), job("z", "c")
+        in_a = clusterd_job("x", namespace="a")
+        in_b, in_c = clusterd_job("y", namespace="b"), clusterd_job("z", namespace="c")
         for each in (in_a, in_b, in_c):
             cluster.write(each, "pending")
         settings = WatchSettings(namespaces=("a", "b"))
@@ -637,7 +623,7 @@ async def test_namespaces_mode_watches_only_those_namespaces(
             cluster.write(in_c, "complete")
             emu.restart(lose_history=True)
             # b's relist changes nothing, so only the counter tells it happened.
-            await eventually(lambda: harness.watcher.counters.lists == 4)
+            await wait_until(lambda: harness.watcher.counters.lists == 4)
             await harness.caught_up(cluster)
         paths = {r.path for r in emu.requests}
         assert paths == {"/api/v1/namespaces/a/configmaps", "/api/v1/namespaces/b/configmaps"}
@@ -652,12 +638,12 @@ async def test_ready_only_after_the_first_list_of_every_namespace(
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
         for name, namespace in (("x", "a"), ("y", "b"), ("z", "b")):
-            cluster.write(job(name, namespace), "running")
+            cluster.write(clusterd_job(name, namespace=namespace), "running")
         emu.faults.push(HttpError(503, target="list"))
         settings = WatchSettings(namespaces=("a", "b"))
         async with open_watcher(emu, settings) as harness:
             counters = harness.watcher.counters
-            await eventually(lambda: counters.lists == 1 and counters.errors == 1)
+            await wait_until(lambda: counters.lists == 1 and counters.errors == 1)
             assert not harness.status.ready.is_set()  # one namespace is still missing
             with trio.fail_after(10):
                 await harness.status.ready.wait()
@@ -670,7 +656,7 @@ async def test_ready_only_after_the_first_list_of_every_namespace(
 async def test_not_ready_while_the_first_list_hangs(autojump_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        cluster.write(job("a"), "running")
+        cluster.write(clusterd_job("a"), "running")
         emu.faults.push(Stall(target="list"))
         async with open_watcher(emu, read_timeout=90.0) as harness:
             await trio.sleep(60)
@@ -687,7 +673,11 @@ async def test_label_selector_ignores_other_configmaps_and_a_removed_label_ends_
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b, stray = job("a", servers=3, servers_per_configmap=2), job("b"), job("stray")
+        a, b, stray = (
+            clusterd_job("a", servers=3, servers_per_configmap=2),
+            clusterd_job("b"),
+            clusterd_job("stray"),
+        )
         cluster.write(a, "running")
         cluster.write(b, "running")
         # Same data as a job's, but not labelled (or labelled otherwise): ignored.

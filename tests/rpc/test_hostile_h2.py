@@ -26,7 +26,6 @@ import hpack
 import pytest
 import trio
 import trio.lowlevel
-from grpcio_stubs import GrpcioClients
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from hyperframe.frame import (
@@ -47,18 +46,17 @@ from jobsignal.rpc.guard import CONTROL_FLOOD, RAPID_RESET, ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
 from jobsignal.rpc.writer import WRITE_SLICE
-
-from . import (
+from tests.support.factories import make_job
+from tests.support.grpc_server import (
     ServerHarness,
-    StreamCollector,
+    collect_grpclib_garbage,
     count_writes,
-    in_thread,
     local_settings,
-    make_job,
     open_jobsignal_server,
-    wait_until,
 )
-from .test_limits import collect_grpclib_garbage
+from tests.support.grpcio import GrpcioClients, GrpcioStream
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 WAIT = 10.0
@@ -202,7 +200,7 @@ def has_goaway(peer: RawPeer) -> bool:
 class Healthy:
     """A grpcio subscriber that must get every event published during an attack."""
 
-    stream: StreamCollector
+    stream: GrpcioStream
     published: list[str] = field(default_factory=list)
 
     def publish(self, server: ServerHarness) -> None:
@@ -224,7 +222,7 @@ async def open_healthy(
 ) -> Healthy:
     client = clients.connect(server.target)
     client_id = await in_thread(client.register_id, HEALTHY_ROLE)
-    stream = StreamCollector(client.subscribe(HEALTHY_ROLE, client_id, timeout=120))
+    stream = GrpcioStream(client.subscribe(HEALTHY_ROLE, client_id, timeout=120))
     stream.start(nursery)
     await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
     return Healthy(stream)

@@ -11,15 +11,9 @@ from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.registry import Refused, Registry
 from jobsignal.rpc.session import SessionSettings, StreamEnd, serve_subscription
-from jobsignal.store.model import JobSummary
+from tests.support.factories import make_job
 
 ROLE = "CCAgent"
-
-
-def job(job_id: str, status: str = "running") -> JobSummary:
-    return JobSummary(
-        "ns", job_id, f"name-{job_id}", "pytorch", status, "1", "1", "{}", "", "", "", "add", ""
-    )
 
 
 class Harness:
@@ -81,7 +75,7 @@ async def test_message_at_100s_moves_close_to_220s(autojump_clock: trio.testing.
     async with trio.open_nursery() as nursery:
         nursery.start_soon(harness.serve)
         await trio.sleep(100)
-        harness.broadcaster.publish([job("a")])
+        harness.broadcaster.publish([make_job(1)])
         await trio.sleep(119)
         assert harness.end is None, "closed before 220 s"
     assert harness.sent_at == [pytest.approx(start + 100)]
@@ -147,7 +141,7 @@ async def test_stalled_send_ends_with_resource_exhausted(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(harness.serve)
         await trio.sleep(1)
-        harness.broadcaster.publish([job("a")])
+        harness.broadcaster.publish([make_job(1)])
     assert harness.end is not None
     assert harness.end.status is Status.RESOURCE_EXHAUSTED
     assert harness.ended_at == pytest.approx(start + 61)
