@@ -26,7 +26,7 @@ from tests.support.waiting import wait_until_blocking
 
 
 async def test_first_signal_drains_for_the_delay_then_shuts_down(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     shutdown, draining = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
@@ -42,7 +42,7 @@ async def test_first_signal_drains_for_the_delay_then_shuts_down(
 
 
 async def test_a_second_signal_skips_the_rest_of_the_drain(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     shutdown, draining = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:

@@ -3,7 +3,8 @@
 LIST (whole, chunked, selectors, resourceVersion rules), WATCH (initial state,
 resuming, 410, selector transitions, bookmarks, timeouts), CRUD status codes, every
 injectable fault, restarts, TLS with client certificates and bearer tokens. Tests
-that wait for server timers take `autojump_clock` and run in virtual time.
+that wait for server timers run in virtual time on `io_clock` (real sockets:
+see the clock rule in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ async def test_exact_list_of_a_compacted_version_is_410(
 
 
 async def test_list_of_a_future_version_waits_then_504(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     ahead = str(emu.state.resource_version + 1)
     start = trio.current_time()
@@ -385,7 +386,7 @@ async def test_watch_one_object_by_field_selector(
 
 
 async def test_bookmarks_carry_only_the_version_and_cover_filtered_changes(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     start = trio.current_time()
     async with watch(
@@ -416,7 +417,7 @@ async def test_bookmarks_carry_only_the_version_and_cover_filtered_changes(
 
 
 async def test_no_bookmarks_unless_asked(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     async with watch(client, "/api/v1/configmaps", timeoutSeconds="600") as w:
         events = await w.rest()
@@ -424,7 +425,7 @@ async def test_no_bookmarks_unless_asked(
 
 
 async def test_watch_times_out_cleanly_after_a_last_bookmark(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     start = trio.current_time()
     seen: list[tuple[str, float]] = []
@@ -442,7 +443,7 @@ async def test_watch_times_out_cleanly_after_a_last_bookmark(
     assert emu.stats.connections == 1
 
 
-async def test_server_default_watch_timeout(autojump_clock: trio.testing.MockClock) -> None:
+async def test_server_default_watch_timeout(io_clock: trio.testing.MockClock) -> None:
     async with (
         open_emulator(default_watch_timeout=300.0, bookmark_interval=60.0) as emu,
         httpx.AsyncClient(base_url=emu.url, timeout=None) as client,
@@ -554,7 +555,7 @@ async def test_drop_in_the_middle_of_a_list_body(emu: KubeEmulator) -> None:
 
 
 async def test_stalled_list_body(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     emu.state.create_configmap("ns", "a")
     emu.faults.push(Stall(target="list"))
@@ -569,7 +570,7 @@ async def test_stalled_list_body(
 
 
 async def test_split_lines_straddle_chunks(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator
+    io_clock: trio.testing.MockClock, emu: KubeEmulator
 ) -> None:
     emu.state.create_configmap("ns", "a")
     emu.faults.push(SplitLines())
@@ -581,7 +582,7 @@ async def test_split_lines_straddle_chunks(
 
 
 async def test_stall_keeps_the_connection_silent(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     emu.state.create_configmap("ns", "a")
     emu.faults.push(Stall(after_events=1))
@@ -689,7 +690,7 @@ async def test_restart_releases_a_stalled_watch(
 # ------------------------------------------------------------------- auth and TLS
 
 
-async def test_bearer_token_and_rotation(autojump_clock: trio.testing.MockClock) -> None:
+async def test_bearer_token_and_rotation(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator(token="first") as emu:
 
         def client_with(token: str | None) -> httpx.AsyncClient:

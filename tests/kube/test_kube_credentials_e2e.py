@@ -7,8 +7,9 @@ client certificates over HTTPS with a CA made here (trustme), token rotation
 (kubelet's symlink swap, and a token the API server stops accepting), and
 broken kubeconfigs, which must fail at start-up with one clear line.
 
-Virtual time (`autojump_clock`): the emulator, httpx, TLS (trio's in-memory
-SSL) and the watcher all run on trio's clock, in this thread.
+Virtual time on `io_clock` (real loopback sockets: see tests/conftest.py): the
+emulator, httpx, TLS (trio's in-memory SSL) and the watcher all run on trio's
+clock, in this thread.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def b64(data: bytes) -> str:
 
 
 async def test_token_from_kubeconfig(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     async with open_emulator(token=TOKEN) as emu:
         cluster = Cluster(emu.state)
@@ -62,7 +63,7 @@ async def test_token_from_kubeconfig(
 
 
 async def test_refused_token_keeps_the_source_unready_and_retrying(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     async with open_emulator(token=TOKEN) as emu:
         Cluster(emu.state).write(JOB, "running")
@@ -77,7 +78,7 @@ async def test_refused_token_keeps_the_source_unready_and_retrying(
 
 
 async def test_token_file_from_kubeconfig(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "token").write_text(TOKEN + "\n")
@@ -98,7 +99,7 @@ async def test_token_file_from_kubeconfig(
 
 @pytest.mark.parametrize("form", ["data", "files"])
 async def test_client_certificate_over_https(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, form: str
+    io_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, form: str
 ) -> None:
     client = ca.issue_cert("jobsignal@example.test")
     ca_pem = ca.cert_pem.bytes()
@@ -131,7 +132,7 @@ async def test_client_certificate_over_https(
 
 @pytest.mark.parametrize("problem", ["no-client-certificate", "unknown-ca"])
 async def test_tls_refusals_keep_the_source_unready(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, problem: str
+    io_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, problem: str
 ) -> None:
     if problem == "no-client-certificate":
         cluster_tls = {"certificate-authority-data": b64(ca.cert_pem.bytes())}
@@ -189,7 +190,7 @@ class ProjectedToken:
 
 
 async def test_token_rotation_after_401_recovers(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     projected = ProjectedToken(tmp_path / "serviceaccount", "token-generation-1")
     async with open_emulator(token="token-generation-1") as emu:
@@ -217,7 +218,7 @@ async def test_token_rotation_after_401_recovers(
 
 
 async def test_token_rotation_within_the_grace_period_needs_no_401(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     projected = ProjectedToken(tmp_path / "serviceaccount", "token-generation-1")
     async with open_emulator(token="token-generation-1") as emu:
@@ -242,7 +243,7 @@ async def test_token_rotation_within_the_grace_period_needs_no_401(
 
 
 async def test_token_file_briefly_empty_is_retried_not_fatal(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("token-generation-1")

@@ -98,7 +98,7 @@ def assert_frames_deliverable(events: list[Any]) -> None:
 
 
 async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
-    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="jobsignal.kube.watcher")
     async with open_emulator() as emu:
@@ -153,7 +153,7 @@ async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
 
 
 async def test_rejection_logs_are_rate_limited_per_reason(
-    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="jobsignal.kube.watcher")
     async with open_emulator() as emu:
@@ -174,7 +174,7 @@ async def test_rejection_logs_are_rate_limited_per_reason(
 
 
 async def test_unexpected_error_applying_one_event_skips_only_that_event(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -201,7 +201,7 @@ async def test_unexpected_error_applying_one_event_skips_only_that_event(
 
 
 async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_failed(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -230,7 +230,7 @@ async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_fail
 
 
 async def test_unencodable_event_is_dropped_and_the_watcher_goes_on(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The store never emits such an event now; inject a failing encoder to
@@ -297,7 +297,7 @@ async def test_broadcaster_drops_an_unencodable_event_in_publish_and_in_snapshot
 
 
 async def test_a_large_list_is_applied_with_checkpoints(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    io_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No more than about PARSE_SLICE characters parsed, COMMIT_SLICE ConfigMaps
     stored, nor SETTLE_SLICE slices settled, without letting another task run."""

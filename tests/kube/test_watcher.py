@@ -8,9 +8,10 @@ subscriber receives, decoded; plus the watcher's counters and the requests the
 emulator recorded. After every fault: no lost change, no duplicate event, and
 the subscriber ends up holding exactly the cluster's state.
 
-All tests run in virtual time (`autojump_clock`): the emulator, httpx and the
-watcher all time themselves with trio's clock, and nothing here uses threads,
-so loopback I/O and timers interleave deterministically.
+All tests run in virtual time on `io_clock`: the emulator, httpx and the
+watcher all time themselves with trio's clock, nothing here uses threads, and
+the clock jumps only once loopback I/O has been still for a real moment
+(tests/conftest.py), so I/O and timers interleave deterministically.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def check_faithful(harness: WatchHarness, cluster: Cluster, *, exact: bool) -> N
 
 
 async def test_list_then_watch_from_the_lists_version(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -104,7 +105,7 @@ async def test_list_then_watch_from_the_lists_version(
         ]
 
 
-async def test_paged_list_assembles_every_item(autojump_clock: trio.testing.MockClock) -> None:
+async def test_paged_list_assembles_every_item(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
         jobs = [
@@ -154,7 +155,7 @@ async def test_paged_list_assembles_every_item(autojump_clock: trio.testing.Mock
 
 
 async def test_clean_watch_end_resumes_from_the_last_version_without_relist(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator(bookmark_interval=60) as emu:
         cluster = Cluster(emu.state)
@@ -178,7 +179,7 @@ async def test_clean_watch_end_resumes_from_the_last_version_without_relist(
         assert versions[-1] == emu.state.resource_version
 
 
-async def test_bookmarks_advance_the_version(autojump_clock: trio.testing.MockClock) -> None:
+async def test_bookmarks_advance_the_version(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator(bookmark_interval=2) as emu:
         cluster = Cluster(emu.state)
         a = clusterd_job("a")
@@ -205,7 +206,7 @@ async def test_bookmarks_advance_the_version(autojump_clock: trio.testing.MockCl
 
 
 async def test_410_error_event_relists_and_emits_exactly_the_differences(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -240,7 +241,7 @@ async def test_410_error_event_relists_and_emits_exactly_the_differences(
         check_faithful(harness, cluster, exact=True)
 
 
-async def test_plain_http_410_relists(autojump_clock: trio.testing.MockClock) -> None:
+async def test_plain_http_410_relists(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
         a, b = clusterd_job("a"), clusterd_job("b")
@@ -275,7 +276,7 @@ async def test_plain_http_410_relists(autojump_clock: trio.testing.MockClock) ->
 
 
 async def test_repeated_410_backs_off_between_relists(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -314,7 +315,7 @@ def burst(cluster: Cluster, a: ClusterdJob, b: ClusterdJob) -> None:
 
 @pytest.mark.parametrize("fault", BROKEN_STREAMS.values(), ids=BROKEN_STREAMS.keys())
 async def test_broken_watch_rewatches_without_relist_loss_or_duplicates(
-    autojump_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
+    io_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -344,7 +345,7 @@ async def test_broken_watch_rewatches_without_relist_loss_or_duplicates(
 
 @pytest.mark.parametrize("fault", BROKEN_STREAMS.values(), ids=BROKEN_STREAMS.keys())
 async def test_broken_watch_resumes_after_the_last_event_it_delivered(
-    autojump_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
+    io_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -368,7 +369,7 @@ async def test_broken_watch_resumes_after_the_last_event_it_delivered(
 
 
 async def test_lines_split_over_reads_are_reassembled(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -385,7 +386,7 @@ async def test_lines_split_over_reads_are_reassembled(
 
 
 async def test_quiet_watch_with_bookmarks_is_not_restarted(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator(bookmark_interval=60) as emu:
         cluster = Cluster(emu.state)
@@ -409,7 +410,7 @@ async def record_status(status: SourceStatus, out: list[tuple[float, bool, bool]
 
 @pytest.mark.parametrize(("jitter", "factor"), [(1.0, 1.0), (0.0, 0.5)])
 async def test_server_errors_back_off_exponentially_up_to_30s(
-    autojump_clock: trio.testing.MockClock, jitter: float, factor: float
+    io_clock: trio.testing.MockClock, jitter: float, factor: float
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -477,7 +478,7 @@ def test_backoff_delays_and_jitter() -> None:
 
 @pytest.mark.parametrize(("retry_after", "delay"), [(7, 7.0), (None, 0.6)])
 async def test_429_honours_retry_after(
-    autojump_clock: trio.testing.MockClock, retry_after: int | None, delay: float
+    io_clock: trio.testing.MockClock, retry_after: int | None, delay: float
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -522,7 +523,7 @@ def rewrite_in_place(path: Path, token: str) -> None:
 
 
 async def test_401_invalidates_the_credentials_and_recovers(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("token-1")
@@ -560,7 +561,7 @@ async def test_401_invalidates_the_credentials_and_recovers(
 
 @pytest.mark.parametrize("drop_connections", [False, True], ids=["clean-end", "dropped"])
 async def test_api_server_restart_with_history_gap(
-    autojump_clock: trio.testing.MockClock, drop_connections: bool
+    io_clock: trio.testing.MockClock, drop_connections: bool
 ) -> None:
     jobs = [clusterd_job(f"job-{i}", servers=1 + i, servers_per_configmap=2) for i in range(6)]
     script = [("pending", each) for each in jobs[2:]] + [
@@ -601,7 +602,7 @@ async def test_api_server_restart_with_history_gap(
 
 
 async def test_namespaces_mode_watches_only_those_namespaces(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state, namespaces=("a", "b"))
@@ -633,7 +634,7 @@ async def test_namespaces_mode_watches_only_those_namespaces(
 
 
 async def test_ready_only_after_the_first_list_of_every_namespace(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
@@ -653,7 +654,7 @@ async def test_ready_only_after_the_first_list_of_every_namespace(
             await harness.caught_up(cluster)
 
 
-async def test_not_ready_while_the_first_list_hangs(autojump_clock: trio.testing.MockClock) -> None:
+async def test_not_ready_while_the_first_list_hangs(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
         cluster.write(clusterd_job("a"), "running")
@@ -669,7 +670,7 @@ async def test_not_ready_while_the_first_list_hangs(autojump_clock: trio.testing
 
 
 async def test_label_selector_ignores_other_configmaps_and_a_removed_label_ends_the_job(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
