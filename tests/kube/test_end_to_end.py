@@ -14,7 +14,10 @@ import functools
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -43,6 +46,26 @@ from tests.support.events import (
 from tests.support.grpcio import GrpcioClients, GrpcioStream, GrpcioStubs, cli_command, cli_env
 from tests.support.kube_server import open_kube_server, subscribe, target
 from tests.support.waiting import wait_until
+
+
+class Watched(NamedTuple):
+    server: RunningJobsignal
+    stream: GrpcioStream  # a CCAgent's SubscribeJobSummarySignal
+    nursery: trio.Nursery
+
+
+@asynccontextmanager
+async def watched_by_a_client(
+    emu: KubeEmulator, tmp_path: Path, clients: GrpcioClients
+) -> AsyncIterator[Watched]:
+    """The server once its watch is open, and a grpcio client subscribed to it."""
+    async with (
+        trio.open_nursery() as nursery,
+        open_kube_server(emu, tmp_path, shutdown_grace="2") as server,
+    ):
+        with trio.fail_after(10):
+            await emu.wait_requests(1, "watch")
+        yield Watched(server, await subscribe(clients, server, nursery), nursery)
 
 
 async def health(stubs: GrpcioStubs, server: RunningJobsignal) -> dict[str, str]:
@@ -90,14 +113,7 @@ async def test_whole_lifecycle_of_a_job(
     emu: KubeEmulator, cluster: Cluster, grpc_clients: GrpcioClients, tmp_path: Path
 ) -> None:
     job = ClusterdJob("training", "resnet50", str(uuid.uuid4()), servers=2)
-    async with (
-        trio.open_nursery() as nursery,
-        open_kube_server(emu, tmp_path, shutdown_grace="2") as server,
-    ):
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
-
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (_, stream, _):
         cluster.write(job, "pending")
         (pending,) = await wait_for_events(stream, lambda e: len(e) == 1, what="pending")
         message = stream.messages[0]
@@ -165,13 +181,7 @@ async def test_multi_configmap_job_is_one_rank_table(
         extra_server_keys={"super_pod_id": "7", "host_ip": "10.9.9.9"},
     )
     assert job.configmap_count == 3
-    async with (
-        trio.open_nursery() as nursery,
-        open_kube_server(emu, tmp_path, shutdown_grace="2") as server,
-    ):
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (server, stream, nursery):
         cluster.write(job, "pending")
         cluster.write(job, "running")
         events = await wait_for_events(stream, lambda e: len(e) == 2, what="pending and running")
@@ -199,13 +209,7 @@ async def test_hand_deleted_configmap_ends_the_job_once(
 ) -> None:
     job = ClusterdJob("training", "bert", str(uuid.uuid4()), servers=3, servers_per_configmap=2)
     single = ClusterdJob("training", "gpt", str(uuid.uuid4()))
-    async with (
-        trio.open_nursery() as nursery,
-        open_kube_server(emu, tmp_path, shutdown_grace="2") as server,
-    ):
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (_, stream, _):
         cluster.write(job, "running")
         cluster.write(single, "running")
         await converged(stream, cluster, "two running jobs")
@@ -280,13 +284,7 @@ async def test_faults_mid_lifecycle_leave_the_client_with_the_clusters_state(
     a = ClusterdJob("training", "a", "uid-a", servers=3, servers_per_configmap=2)
     b = ClusterdJob("training", "b", "uid-b")
     c = ClusterdJob("inference", "c", "uid-c", framework="mindspore")
-    async with (
-        trio.open_nursery() as nursery,
-        open_kube_server(emu, tmp_path, shutdown_grace="2") as server,
-    ):
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (server, stream, _):
         cluster.write(a, "pending")
         cluster.write(b, "pending")
         await converged(stream, cluster, "two pending jobs")
@@ -335,13 +333,7 @@ async def test_grpc_client_sees_no_regression_after_a_dropped_watch(
     emu: KubeEmulator, cluster: Cluster, grpc_clients: GrpcioClients, tmp_path: Path
 ) -> None:
     a = ClusterdJob("training", "a", "uid-a")
-    async with (
-        trio.open_nursery() as nursery,
-        open_kube_server(emu, tmp_path, shutdown_grace="2") as server,
-    ):
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (_, stream, _):
         cluster.write(a, "pending")
         await converged(stream, cluster, "pending")
         await take_fault(emu, Drop(after_events=2))

@@ -169,6 +169,15 @@ async def leave_and_check_empty(server: ServerHarness, good: GoodClient) -> None
     assert len(server.registry) == 0
 
 
+async def abusers_leave(server: ServerHarness, good: GoodClient, *abusers: JobClient) -> None:
+    """The abusive clients close: back to the good client alone, still served; then it
+    leaves too."""
+    await close_clients(*abusers)
+    await assert_back_to_baseline(server, live=1)
+    await assert_served(server, good)
+    await leave_and_check_empty(server, good)
+
+
 # -- small helpers ---------------------------------------------------------------------------
 
 
@@ -185,6 +194,32 @@ def subscribe_all(client: JobClient, role: str, client_id: str) -> Callable[[], 
 # -- connections -----------------------------------------------------------------------------
 
 
+async def connect_refused(
+    server: ServerHarness, clients: GrpcioClients, good: GoodClient, details: str
+) -> list[JobClient]:
+    """Three more connections, each refused with `details` while the good client is served."""
+    refused = [clients.connect(server.target) for _ in range(3)]
+    for client in refused:
+        code, got = await expect_refusal(functools.partial(client.register, ABUSER_ROLE))
+        assert (code, got) == (grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+        await assert_served(server, good)
+    return refused
+
+
+async def assert_room_again(
+    server: ServerHarness, clients: GrpcioClients, good: GoodClient, *gone: JobClient
+) -> None:
+    """Once `gone` have closed a newcomer is admitted and registered; then all leave."""
+    await close_clients(*gone)
+    await assert_back_to_baseline(server, live=1)
+    await assert_served(server, good)
+    newcomer = clients.connect(server.target)
+    assert (await in_thread(newcomer.register, ABUSER_ROLE)).code == 200
+    await close_clients(newcomer)
+    await assert_back_to_baseline(server, live=1)
+    await leave_and_check_empty(server, good)
+
+
 async def test_total_connection_limit(
     grpc_clients: GrpcioClients, grpcio_stubs: GrpcioStubs
 ) -> None:
@@ -197,12 +232,8 @@ async def test_total_connection_limit(
             assert (await in_thread(client.register, ABUSER_ROLE)).code == 200
         assert server_state(server)["connections"] == limit
 
-        refused = [grpc_clients.connect(server.target) for _ in range(3)]
-        for client in refused:
-            code, details = await expect_refusal(functools.partial(client.register, ABUSER_ROLE))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert details == f"too many connections to this server (limit {limit})"
-            await assert_served(server, good)
+        too_many = f"too many connections to this server (limit {limit})"
+        refused = await connect_refused(server, grpc_clients, good, too_many)
         # The total limit holds for every address.
         other = await raw_register(server.port, source=OTHER_LOOPBACK)
         assert other.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -210,15 +241,7 @@ async def test_total_connection_limit(
         assert server.connections.counter.refused == 4
         assert server.connections.counter.total == limit
 
-        await close_clients(*admitted, *refused)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        # Room again: a newcomer is admitted and registered.
-        newcomer = grpc_clients.connect(server.target)
-        assert (await in_thread(newcomer.register, ABUSER_ROLE)).code == 200
-        await close_clients(newcomer)
-        await assert_back_to_baseline(server, live=1)
-        await leave_and_check_empty(server, good)
+        await assert_room_again(server, grpc_clients, good, *admitted, *refused)
 
 
 async def test_connection_limit_per_address(
@@ -231,12 +254,8 @@ async def test_connection_limit_per_address(
         admitted = grpc_clients.connect(server.target)
         assert (await in_thread(admitted.register, ABUSER_ROLE)).code == 200
 
-        refused = [grpc_clients.connect(server.target) for _ in range(3)]
-        for client in refused:
-            code, details = await expect_refusal(functools.partial(client.register, ABUSER_ROLE))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert details == f"too many connections from {LOOPBACK} (limit {limit} per address)"
-            await assert_served(server, good)
+        too_many = f"too many connections from {LOOPBACK} (limit {limit} per address)"
+        refused = await connect_refused(server, grpc_clients, good, too_many)
         # Another address is not held to 127.0.0.1's count.
         other = await raw_register(server.port, source=OTHER_LOOPBACK)
         assert other.grpc_status == 0, other
@@ -244,14 +263,7 @@ async def test_connection_limit_per_address(
         assert (reply.code, reply.info) == (200, "registration successful")
         assert server.connections.counter.refused == 3
 
-        await close_clients(admitted, *refused)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        newcomer = grpc_clients.connect(server.target)
-        assert (await in_thread(newcomer.register, ABUSER_ROLE)).code == 200
-        await close_clients(newcomer)
-        await assert_back_to_baseline(server, live=1)
-        await leave_and_check_empty(server, good)
+        await assert_room_again(server, grpc_clients, good, admitted, *refused)
 
 
 # -- streams per connection ------------------------------------------------------------------
@@ -292,10 +304,7 @@ async def test_concurrent_streams_per_connection_limit(grpc_clients: GrpcioClien
             lambda: len(late.messages) >= 1, what="the late stream's first event", within=WAIT
         )
 
-        await close_clients(abuser)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, abuser)
 
 
 # -- request rates ---------------------------------------------------------------------------
@@ -378,10 +387,7 @@ async def test_register_rate_limit_refuses_then_refills(grpc_clients: GrpcioClie
         await assert_served(server, good)
         await wait_until(lambda: len(stream.messages) >= 2, within=WAIT)
 
-        await close_clients(abuser)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, abuser)
 
 
 async def test_subscribe_rate_limit_refuses_then_refills(grpc_clients: GrpcioClients) -> None:
@@ -407,10 +413,7 @@ async def test_subscribe_rate_limit_refuses_then_refills(grpc_clients: GrpcioCli
         await assert_served(server, good)
         await wait_until(lambda: all(len(s.messages) >= 1 for s in streams + more), within=WAIT)
 
-        await close_clients(abuser)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, abuser)
 
 
 # -- registered ids --------------------------------------------------------------------------
@@ -495,10 +498,7 @@ async def test_request_size_limit(grpc_clients: GrpcioClients, grpcio_stubs: Grp
         assert (await in_thread(abuser.register, ABUSER_ROLE)).code == 200
         assert len(server.connections) == 2, "the abuser's connection is still in use"
 
-        await close_clients(abuser)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, abuser)
 
 
 # -- send size -------------------------------------------------------------------------------
@@ -542,10 +542,7 @@ async def test_send_size_limit_strips_rank_tables(grpc_clients: GrpcioClients) -
         await assert_served(server, good)
         assert not lists.ended.is_set() and not fd_agent.ended.is_set()
 
-        await close_clients(lister, snapshot)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, lister, snapshot)
 
 
 async def test_default_send_limit_fits_default_grpc_clients(grpc_clients: GrpcioClients) -> None:

@@ -221,55 +221,27 @@ async def test_silent_connection_is_closed_by_server_keepalive(
         await peer.aclose()
 
 
+GRPC = "application/grpc"
+REGISTER = "/job.Job/Register"
+SUBSCRIBE = "/job.Job/SubscribeJobSummarySignal"
+CC_AGENT = grpc_frame(client_info("CCAgent"))
+NOT_UTF8 = grpc_frame(b"\x0a\x02\xff\xfe")  # a role of two bytes that are not UTF-8
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+#: id: (path, body, content-type, HTTP status, grpc-status, words of grpc-message)
+MALFORMED: dict[str, tuple[str, bytes, str, str, int | None, str]] = {
+    "wrong-content-type": (REGISTER, CC_AGENT, "application/json", "415", None, "content-type"),
+    "register-invalid-utf8": (REGISTER, NOT_UTF8, GRPC, "200", INVALID, "ClientInfo"),
+    "subscribe-invalid-utf8": (SUBSCRIBE, NOT_UTF8, GRPC, "200", INVALID, "ClientInfo"),
+    "unknown-method": ("/job.Job/Unsubscribe", CC_AGENT, GRPC, "200", UNIMPLEMENTED, ""),
+    "unknown-service": ("/no.such.Service/Register", CC_AGENT, GRPC, "200", UNIMPLEMENTED, ""),
+}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "content_type", "want_status", "want_grpc_status", "want_message"),
-    [
-        pytest.param(
-            "/job.Job/Register",
-            grpc_frame(client_info("CCAgent")),
-            "application/json",
-            "415",
-            None,
-            "content-type",
-            id="wrong-content-type",
-        ),
-        pytest.param(
-            "/job.Job/Register",
-            grpc_frame(b"\x0a\x02\xff\xfe"),
-            "application/grpc",
-            "200",
-            grpc.StatusCode.INVALID_ARGUMENT.value[0],
-            "ClientInfo",
-            id="register-invalid-utf8",
-        ),
-        pytest.param(
-            "/job.Job/SubscribeJobSummarySignal",
-            grpc_frame(b"\x0a\x02\xff\xfe"),
-            "application/grpc",
-            "200",
-            grpc.StatusCode.INVALID_ARGUMENT.value[0],
-            "ClientInfo",
-            id="subscribe-invalid-utf8",
-        ),
-        pytest.param(
-            "/job.Job/Unsubscribe",
-            grpc_frame(client_info("CCAgent")),
-            "application/grpc",
-            "200",
-            grpc.StatusCode.UNIMPLEMENTED.value[0],
-            "",
-            id="unknown-method",
-        ),
-        pytest.param(
-            "/no.such.Service/Register",
-            grpc_frame(client_info("CCAgent")),
-            "application/grpc",
-            "200",
-            grpc.StatusCode.UNIMPLEMENTED.value[0],
-            "",
-            id="unknown-service",
-        ),
-    ],
+    MALFORMED.values(),
+    ids=MALFORMED.keys(),
 )
 async def test_malformed_request_gets_a_clear_answer(
     grpc_clients: GrpcioClients,
