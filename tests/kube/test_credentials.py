@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import os
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -26,14 +25,10 @@ from jobsignal.kube.credentials import (
     load_in_cluster,
     load_kubeconfig,
 )
-from tests.support.tls import server_context
+from tests.support.tls import b64, server_context
 
 TOKEN = "s3cr3t-token-value"
 CLUSTER_ENV = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ frozen clock does not count), and so does the plugin timeout, jumped by hand.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ from jobsignal.kube.exec_credentials import (
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from tests.support.cluster import Cluster, write_kubeconfig
-from tests.support.tls import server_context
+from tests.support.tls import b64, server_context, trusting
 from tests.support.waiting import wait_until
 from tests.support.watching import open_source
 
@@ -52,10 +51,6 @@ SECRET = "plugin-token-0001"
 JOB = ClusterdJob("training", "bert", "uid-bert")
 AGENT = f"jobsignal/{jobsignal.__version__}"
 TIMEOUT = httpx.Timeout(10.0)
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
 
 
 class Plugin:
@@ -593,7 +588,7 @@ async def test_unusable_certificate_from_plugin_is_a_retryable_api_error(
             tmp_path,
             plugin,
             emu.url,
-            cluster={"certificate-authority-data": b64(ca.cert_pem.bytes())},
+            cluster=trusting(ca),
         )
         async with open_api(connection) as api:
             with pytest.raises(ApiUnavailable) as raised:
@@ -618,7 +613,7 @@ async def test_client_certificate_from_plugin_is_renewed_before_expiry(
             tmp_path,
             plugin,
             emu.url,
-            cluster={"certificate-authority-data": b64(ca.cert_pem.bytes())},
+            cluster=trusting(ca),
         )
         async with open_api(connection) as api:
             await api.list_page(None, {})
@@ -661,10 +656,14 @@ async def test_watcher_with_exec_client_certificate(
             tmp_path / "config",
             emu.url,
             user={"exec": plugin.stanza()},
-            cluster={"certificate-authority-data": b64(ca.cert_pem.bytes())},
+            cluster=trusting(ca),
         )
         async with open_source(kubeconfig) as source:
             await source.holds(cluster)
+            # Stopped mid-handshake, httpcore would leave the WATCH's socket unclosed
+            # (its trio start_tls closes it on Exception, not on Cancelled).
+            with trio.fail_after(10):
+                await emu.wait_open_watches(1)
     assert {r.client_certificate for r in emu.requests} == {"exec-cert"}
     assert emu.stats.tls_handshake_failures == 0
 
@@ -806,10 +805,7 @@ async def test_proxy_url_tunnels_https(tmp_path: Path, plugin: Plugin, ca: trust
                 tmp_path / "config",
                 emu.url,
                 user={"exec": plugin.stanza()},
-                cluster={
-                    "certificate-authority-data": b64(ca.cert_pem.bytes()),
-                    "proxy-url": f"http://127.0.0.1:{proxy.port}",
-                },
+                cluster={**trusting(ca), "proxy-url": f"http://127.0.0.1:{proxy.port}"},
             )
             async with open_source(kubeconfig) as source:
                 await source.holds(cluster)

@@ -14,9 +14,11 @@ clock, in this thread.
 
 from __future__ import annotations
 
-import base64
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import trio
@@ -27,26 +29,20 @@ import jobsignal
 from jobsignal.app import choose_connection
 from jobsignal.config import ConfigError, load_config
 from jobsignal.sim.clusterd import ClusterdJob
-from jobsignal.sim.emulator import open_emulator
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from tests.support.cluster import Cluster, write_kubeconfig
-from tests.support.tls import server_context
+from tests.support.tls import b64, server_context, trusting
 from tests.support.waiting import wait_until
-from tests.support.watching import open_source
+from tests.support.watching import Source, open_source
 
 TOKEN = "kubeconfig-token-0001"
 JOB = ClusterdJob("training", "resnet", "uid-resnet")
 
 
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
 # -- bearer tokens ----------------------------------------------------------------------
 
 
-async def test_token_from_kubeconfig(
-    io_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
+async def test_token_from_kubeconfig(io_clock: trio.testing.MockClock, tmp_path: Path) -> None:
     async with open_emulator(token=TOKEN) as emu:
         cluster = Cluster(emu.state)
         cluster.write(JOB, "running")
@@ -77,9 +73,7 @@ async def test_refused_token_keeps_the_source_unready_and_retrying(
             assert source.watcher.counters.lists == 0
 
 
-async def test_token_file_from_kubeconfig(
-    io_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
+async def test_token_file_from_kubeconfig(io_clock: trio.testing.MockClock, tmp_path: Path) -> None:
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "token").write_text(TOKEN + "\n")
     async with open_emulator(token=TOKEN) as emu:
@@ -135,7 +129,7 @@ async def test_tls_refusals_keep_the_source_unready(
     io_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, problem: str
 ) -> None:
     if problem == "no-client-certificate":
-        cluster_tls = {"certificate-authority-data": b64(ca.cert_pem.bytes())}
+        cluster_tls = trusting(ca)
         user: dict[str, str] = {}
     else:
         other = trustme.CA()
@@ -189,9 +183,17 @@ class ProjectedToken:
         os.replace(staging, self.root / "..data")
 
 
-async def test_token_rotation_after_401_recovers(
-    io_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
+class Rotating(NamedTuple):
+    emu: KubeEmulator
+    cluster: Cluster
+    token: ProjectedToken
+    source: Source
+
+
+@asynccontextmanager
+async def watching_with_a_projected_token(tmp_path: Path) -> AsyncIterator[Rotating]:
+    """A source whose token file the kubelet projects ("token-generation-1"), its watch
+    open (timing out every 5 s) and the cluster's pending job held."""
     projected = ProjectedToken(tmp_path / "serviceaccount", "token-generation-1")
     async with open_emulator(token="token-generation-1") as emu:
         cluster = Cluster(emu.state)
@@ -203,43 +205,40 @@ async def test_token_rotation_after_401_recovers(
             with trio.fail_after(10):
                 await emu.wait_open_watches(1)
             await source.holds(cluster)
-            # The API server stops accepting the old token before the file changes.
-            emu.set_token("token-generation-2")
-            await wait_until(lambda: emu.stats.unauthorized >= 1, within=30)
-            await wait_until(lambda: not source.status.in_sync)
-            projected.rotate("token-generation-2")
-            cluster.write(JOB, "running")
-            await source.holds(cluster, timeout=60)
-            assert source.status.in_sync
-            assert source.watcher.counters.lists == 1  # the watch resumed: no relist
-        refused = [r for r in emu.requests if r.authorization == "Bearer token-generation-1"]
-        assert emu.stats.unauthorized == len(refused) - 2  # all but the first LIST and WATCH
-        assert emu.requests[-1].authorization == "Bearer token-generation-2"
+            yield Rotating(emu, cluster, projected, source)
+
+
+async def test_token_rotation_after_401_recovers(
+    io_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with watching_with_a_projected_token(tmp_path) as (emu, cluster, projected, source):
+        # The API server stops accepting the old token before the file changes.
+        emu.set_token("token-generation-2")
+        await wait_until(lambda: emu.stats.unauthorized >= 1, within=30)
+        await wait_until(lambda: not source.status.in_sync)
+        projected.rotate("token-generation-2")
+        cluster.write(JOB, "running")
+        await source.holds(cluster, timeout=60)
+        assert source.status.in_sync
+        assert source.watcher.counters.lists == 1  # the watch resumed: no relist
+    refused = [r for r in emu.requests if r.authorization == "Bearer token-generation-1"]
+    assert emu.stats.unauthorized == len(refused) - 2  # all but the first LIST and WATCH
+    assert emu.requests[-1].authorization == "Bearer token-generation-2"
 
 
 async def test_token_rotation_within_the_grace_period_needs_no_401(
     io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
-    projected = ProjectedToken(tmp_path / "serviceaccount", "token-generation-1")
-    async with open_emulator(token="token-generation-1") as emu:
-        cluster = Cluster(emu.state)
-        cluster.write(JOB, "pending")
-        kubeconfig = write_kubeconfig(
-            tmp_path / "config", emu.url, user={"tokenFile": str(projected.path)}
-        )
-        async with open_source(kubeconfig, watch_timeout="5") as source:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
-            await source.holds(cluster)
-            projected.rotate("token-generation-2")
-            emu.set_token("token-generation-2", also_accept=["token-generation-1"])
-            watches = emu.stats.watch_requests
-            await wait_until(lambda: emu.stats.watch_requests > watches, within=30)
-            emu.set_token("token-generation-2")  # the old token expires
-            cluster.write(JOB, "running")
-            await source.holds(cluster, timeout=30)
-        assert emu.stats.unauthorized == 0
-        assert emu.requests[-1].authorization == "Bearer token-generation-2"
+    async with watching_with_a_projected_token(tmp_path) as (emu, cluster, projected, source):
+        projected.rotate("token-generation-2")
+        emu.set_token("token-generation-2", also_accept=["token-generation-1"])
+        watches = emu.stats.watch_requests
+        await wait_until(lambda: emu.stats.watch_requests > watches, within=30)
+        emu.set_token("token-generation-2")  # the old token expires
+        cluster.write(JOB, "running")
+        await source.holds(cluster, timeout=30)
+    assert emu.stats.unauthorized == 0
+    assert emu.requests[-1].authorization == "Bearer token-generation-2"
 
 
 async def test_token_file_briefly_empty_is_retried_not_fatal(

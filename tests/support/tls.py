@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import ssl
 from pathlib import Path
 from typing import Any
@@ -73,3 +74,13 @@ def client_context(ca: trustme.CA, *, with_cert: bool) -> ssl.SSLContext:
     if with_cert:
         ca.issue_cert("jobsignal@example.com").configure_cert(context)
     return context
+
+
+def b64(data: bytes) -> str:
+    """Base64 text, as a kubeconfig inlines certificates and keys (`*-data`)."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def trusting(ca: trustme.CA) -> dict[str, str]:
+    """A kubeconfig cluster's inline trust: `ca`'s certificate."""
+    return {"certificate-authority-data": b64(ca.cert_pem.bytes())}
