@@ -12,6 +12,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import trio
@@ -25,36 +27,39 @@ from tests.support.grpcio import GrpcioClients, GrpcioStubs, cli_command, cli_en
 from tests.support.waiting import wait_until_blocking
 
 
+@asynccontextmanager
+async def handling_signals(drain_delay: float) -> AsyncIterator[tuple[trio.Event, trio.Event]]:
+    """`jobsignal serve`'s signal handler, installed: (shutdown, draining) events."""
+    shutdown, draining = trio.Event(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_handle_signals, shutdown, draining, drain_delay, nursery.cancel_scope)
+        await trio.testing.wait_all_tasks_blocked()
+        yield shutdown, draining
+        nursery.cancel_scope.cancel()
+
+
 async def test_first_signal_drains_for_the_delay_then_shuts_down(
     io_clock: trio.testing.MockClock,
 ) -> None:
-    shutdown, draining = trio.Event(), trio.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_handle_signals, shutdown, draining, 5.0, nursery.cancel_scope)
-        await trio.testing.wait_all_tasks_blocked()
+    async with handling_signals(5.0) as (shutdown, draining):
         os.kill(os.getpid(), signal.SIGTERM)
         await draining.wait()
         drained_at = trio.current_time()
         assert not shutdown.is_set()
         await shutdown.wait()
         assert trio.current_time() - drained_at == 5.0
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_second_signal_skips_the_rest_of_the_drain(
     io_clock: trio.testing.MockClock,
 ) -> None:
-    shutdown, draining = trio.Event(), trio.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_handle_signals, shutdown, draining, 60.0, nursery.cancel_scope)
-        await trio.testing.wait_all_tasks_blocked()
+    async with handling_signals(60.0) as (shutdown, draining):
         os.kill(os.getpid(), signal.SIGTERM)
         await draining.wait()
         await trio.sleep(1.0)
         os.kill(os.getpid(), signal.SIGINT)
         await shutdown.wait()
         assert trio.current_time() < 2.0
-        nursery.cancel_scope.cancel()
 
 
 async def test_readiness_names_why_not() -> None:

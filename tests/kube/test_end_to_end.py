@@ -68,10 +68,14 @@ async def watched_by_a_client(
         yield Watched(server, await subscribe(clients, server, nursery), nursery)
 
 
+#: The server as a whole, the job service, and the Kubernetes source.
+HEALTH_SERVICES = ("", "job.Job", SOURCE_HEALTH_NAME)
+
+
 async def health(stubs: GrpcioStubs, server: RunningJobsignal) -> dict[str, str]:
     """grpc.health.v1 Check of the server, the job service and the source."""
     result = await trio.run_process(
-        cli_command("health", target(server), "", "job.Job", SOURCE_HEALTH_NAME),
+        cli_command("health", target(server), *HEALTH_SERVICES),
         env=cli_env(stubs),
         capture_stdout=True,
     )
@@ -248,19 +252,11 @@ async def test_health_serving_after_the_first_list(
     async with open_kube_server(emu, tmp_path, shutdown_grace="2") as server:
         with trio.fail_after(10):
             await emu.wait_requests(1, "list")
-        assert await health(grpcio_stubs, server) == {
-            "": "NOT_SERVING",
-            "job.Job": "NOT_SERVING",
-            SOURCE_HEALTH_NAME: "NOT_SERVING",
-        }
+        assert await health(grpcio_stubs, server) == dict.fromkeys(HEALTH_SERVICES, "NOT_SERVING")
         emu.restart(lose_history=False)  # the stalled LIST breaks; the watcher lists again
         with trio.fail_after(10):
             await emu.wait_requests(1, "watch")
-        assert await health(grpcio_stubs, server) == {
-            "": "SERVING",
-            "job.Job": "SERVING",
-            SOURCE_HEALTH_NAME: "SERVING",
-        }
+        assert await health(grpcio_stubs, server) == dict.fromkeys(HEALTH_SERVICES, "SERVING")
         assert server.status.ready.is_set()
         assert server.broadcaster.job_count() == 1
     assert emu.stats.list_requests == 2

@@ -542,6 +542,18 @@ async def open_api(connection: KubeConnection) -> AsyncIterator[KubeApi]:
         yield KubeApi(client, connection.token_source, read_timeout=30)
 
 
+@asynccontextmanager
+async def open_api_on_mutual_tls(
+    tmp_path: Path, plugin: Plugin, ca: trustme.CA
+) -> AsyncIterator[tuple[KubeEmulator, KubeApi]]:
+    """An emulator requiring client certificates from `ca`, and an API client that
+    gets its certificate from the plugin."""
+    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
+        connection = exec_connection(tmp_path, plugin, emu.url, cluster=trusting(ca))
+        async with open_api(connection) as api:
+            yield emu, api
+
+
 async def test_token_from_plugin_and_a_new_run_after_401(tmp_path: Path, plugin: Plugin) -> None:
     plugin.respond({"token": "token-1"}, {"token": "token-2"})
     async with open_emulator(token="token-1") as emu:
@@ -583,16 +595,9 @@ async def test_unusable_certificate_from_plugin_is_a_retryable_api_error(
     tmp_path: Path, plugin: Plugin, ca: trustme.CA
 ) -> None:
     plugin.respond(plugin.cert_files(ca.issue_cert("d"), "bad", chain=b"not a certificate"))
-    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
-        connection = exec_connection(
-            tmp_path,
-            plugin,
-            emu.url,
-            cluster=trusting(ca),
-        )
-        async with open_api(connection) as api:
-            with pytest.raises(ApiUnavailable) as raised:
-                await api.list_page(None, {})
+    async with open_api_on_mutual_tls(tmp_path, plugin, ca) as (emu, api):
+        with pytest.raises(ApiUnavailable) as raised:
+            await api.list_page(None, {})
     assert str(raised.value) == (
         "LIST failed: no credentials: client certificate from exec plugin "
         f"{sys.executable!r} of user 'jobsignal' in kubeconfig {tmp_path}/config "
@@ -608,18 +613,11 @@ async def test_client_certificate_from_plugin_is_renewed_before_expiry(
         {**plugin.cert_files(ca.issue_cert("a", common_name="exec-one"), "one"), "expires_in": 600},
         {**plugin.cert_files(ca.issue_cert("b", common_name="exec-two"), "two"), "expires_in": 600},
     )
-    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
-        connection = exec_connection(
-            tmp_path,
-            plugin,
-            emu.url,
-            cluster=trusting(ca),
-        )
-        async with open_api(connection) as api:
-            await api.list_page(None, {})
-            await api.list_page(None, {})
-            mock_clock.jump(590)
-            await api.list_page(None, {})
+    async with open_api_on_mutual_tls(tmp_path, plugin, ca) as (emu, api):
+        await api.list_page(None, {})
+        await api.list_page(None, {})
+        mock_clock.jump(590)
+        await api.list_page(None, {})
     assert [r.client_certificate for r in emu.requests] == ["exec-one", "exec-one", "exec-two"]
     assert {r.authorization for r in emu.requests} == {None}
     assert len(plugin.calls()) == 2

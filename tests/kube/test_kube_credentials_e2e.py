@@ -42,17 +42,22 @@ JOB = ClusterdJob("training", "resnet", "uid-resnet")
 # -- bearer tokens ----------------------------------------------------------------------
 
 
+async def follows_the_job(source: Source, cluster: Cluster) -> None:
+    """The source turns ready holding `JOB`, and follows it to complete."""
+    with trio.fail_after(10):
+        await source.status.ready.wait()
+    await source.holds(cluster)
+    cluster.write(JOB, "complete")
+    await source.holds(cluster)
+
+
 async def test_token_from_kubeconfig(io_clock: trio.testing.MockClock, tmp_path: Path) -> None:
     async with open_emulator(token=TOKEN) as emu:
         cluster = Cluster(emu.state)
         cluster.write(JOB, "running")
         kubeconfig = write_kubeconfig(tmp_path / "config", emu.url, user={"token": TOKEN})
         async with open_source(kubeconfig) as source:
-            with trio.fail_after(10):
-                await source.status.ready.wait()
-            await source.holds(cluster)
-            cluster.write(JOB, "complete")
-            await source.holds(cluster)
+            await follows_the_job(source, cluster)
         assert {r.authorization for r in emu.requests} == {f"Bearer {TOKEN}"}
         assert {r.user_agent for r in emu.requests} == {f"jobsignal/{jobsignal.__version__}"}
         assert emu.stats.unauthorized == 0
@@ -114,11 +119,7 @@ async def test_client_certificate_over_https(
         cluster.write(JOB, "running")
         kubeconfig = write_kubeconfig(tmp_path / "config", emu.url, user=user, cluster=cluster_tls)
         async with open_source(kubeconfig) as source:
-            with trio.fail_after(10):
-                await source.status.ready.wait()
-            await source.holds(cluster)
-            cluster.write(JOB, "complete")
-            await source.holds(cluster)
+            await follows_the_job(source, cluster)
             assert source.watcher.counters.errors == 0
         assert emu.stats.tls_handshake_failures == 0
         assert {r.authorization for r in emu.requests} == {None}

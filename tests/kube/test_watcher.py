@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -80,8 +82,7 @@ async def test_list_then_watch_from_the_lists_version(
         emu.state.create_configmap("ns", "unrelated", {"app": "other"}, {"k": "v"})
         list_version = str(emu.state.resource_version)
         async with open_watcher(emu, WatchSettings(watch_timeout=240)) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             counters = harness.watcher.counters
             assert (counters.lists, counters.watches, counters.errors) == (1, 1, 0)
@@ -129,8 +130,7 @@ async def test_paged_list_assembles_every_item(io_clock: trio.testing.MockClock)
 
         settings = WatchSettings(page_size=2)
         async with open_watcher(emu, settings, on_response=write_between_pages) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             assert harness.watcher.counters.lists == 1
             assert harness.watcher.counters.events == 1
@@ -215,8 +215,7 @@ async def test_410_error_event_relists_and_emits_exactly_the_differences(
             cluster.write(each, "running")
         emu.faults.push(ExpireWatch(after_events=1))
         async with open_watcher(emu) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             before = len(harness.log.events)
             # One burst: the watch delivers the first change, then says 410.
@@ -257,8 +256,7 @@ async def test_plain_http_410_relists(io_clock: trio.testing.MockClock) -> None:
 
         emu.faults.push(HttpError(410, target="watch"))
         async with open_watcher(emu, on_response=write_after_list) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             cluster.write(b, "running")
             await harness.caught_up(cluster)
@@ -313,59 +311,60 @@ def burst(cluster: Cluster, a: ClusterdJob, b: ClusterdJob) -> None:
     cluster.write(b, "running")
 
 
+@asynccontextmanager
+async def caught_up_with_a_fault_ahead(
+    job: ClusterdJob, fault: Drop | Stall | MalformedLine
+) -> AsyncIterator[tuple[KubeEmulator, Cluster, WatchHarness]]:
+    """A watcher (90 s read timeout) caught up with `job` pending, `fault` queued."""
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        cluster.write(job, "pending")
+        emu.faults.push(fault)
+        async with open_watcher(emu, read_timeout=90.0) as harness:
+            await harness.watch_open()
+            await harness.caught_up(cluster)
+            yield emu, cluster, harness
+
+
 @pytest.mark.parametrize("fault", BROKEN_STREAMS.values(), ids=BROKEN_STREAMS.keys())
 async def test_broken_watch_rewatches_without_relist_loss_or_duplicates(
     io_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
 ) -> None:
-    async with open_emulator() as emu:
-        cluster = Cluster(emu.state)
-        a, b = clusterd_job("a"), clusterd_job("b", servers=3, servers_per_configmap=2)
-        cluster.write(a, "pending")
-        emu.faults.push(fault)
-        async with open_watcher(emu, read_timeout=90.0) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
-            await harness.caught_up(cluster)
-            broken_at = trio.current_time()
-            cluster.write(a, "running")  # event 1
-            cluster.write(b, "pending")  # events 2 and 3: the fault falls between them
-            cluster.write(a, "complete")
-            await harness.caught_up(cluster, timeout=200)
-            waited = trio.current_time() - broken_at
-            counters = harness.watcher.counters
-            assert counters.errors == 1 and counters.watches == 2
-            assert counters.lists == 1 and counters.relists_after_gone == 0
-            assert harness.status.in_sync
-        check_faithful(harness, cluster, exact=True)
-        assert len(harness.log.events) == 4
-        # A silent stream is given up after the read timeout; the others at once.
-        # Either way the watcher then waits out one backoff step (0.6 s here).
-        assert waited == pytest.approx(90.6 if isinstance(fault, Stall) else 0.6, abs=0.05)
+    a, b = clusterd_job("a"), clusterd_job("b", servers=3, servers_per_configmap=2)
+    async with caught_up_with_a_fault_ahead(a, fault) as (_, cluster, harness):
+        broken_at = trio.current_time()
+        cluster.write(a, "running")  # event 1
+        cluster.write(b, "pending")  # events 2 and 3: the fault falls between them
+        cluster.write(a, "complete")
+        await harness.caught_up(cluster, timeout=200)
+        waited = trio.current_time() - broken_at
+        counters = harness.watcher.counters
+        assert counters.errors == 1 and counters.watches == 2
+        assert counters.lists == 1 and counters.relists_after_gone == 0
+        assert harness.status.in_sync
+    check_faithful(harness, cluster, exact=True)
+    assert len(harness.log.events) == 4
+    # A silent stream is given up after the read timeout; the others at once.
+    # Either way the watcher then waits out one backoff step (0.6 s here).
+    assert waited == pytest.approx(90.6 if isinstance(fault, Stall) else 0.6, abs=0.05)
 
 
 @pytest.mark.parametrize("fault", BROKEN_STREAMS.values(), ids=BROKEN_STREAMS.keys())
 async def test_broken_watch_resumes_after_the_last_event_it_delivered(
     io_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
 ) -> None:
-    async with open_emulator() as emu:
-        cluster = Cluster(emu.state)
-        a = clusterd_job("a")
-        cluster.write(a, "pending")
-        emu.faults.push(fault)
-        async with open_watcher(emu, read_timeout=90.0) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
-            await harness.caught_up(cluster)
-            cluster.write(a, "running")  # event 1
-            cluster.write(a, "complete")  # event 2, then the stream breaks
-            delivered = emu.state.resource_version
-            await harness.caught_up(cluster, timeout=200)
-            await wait_until(lambda: len(watches(emu)) == 2, within=200)
-            await trio.sleep(1)
-        statuses = [(j.job_status, j.operator) for j in harness.log.jobs()]
-        assert statuses == [("pending", "add"), ("running", "add"), ("complete", "add")]
-        assert_no_duplicates(harness.log.events)
-        assert watches(emu)[1]["resourceVersion"] == str(delivered)
+    a = clusterd_job("a")
+    async with caught_up_with_a_fault_ahead(a, fault) as (emu, cluster, harness):
+        cluster.write(a, "running")  # event 1
+        cluster.write(a, "complete")  # event 2, then the stream breaks
+        delivered = emu.state.resource_version
+        await harness.caught_up(cluster, timeout=200)
+        await wait_until(lambda: len(watches(emu)) == 2, within=200)
+        await trio.sleep(1)
+    statuses = [(j.job_status, j.operator) for j in harness.log.jobs()]
+    assert statuses == [("pending", "add"), ("running", "add"), ("complete", "add")]
+    assert_no_duplicates(harness.log.events)
+    assert watches(emu)[1]["resourceVersion"] == str(delivered)
 
 
 async def test_lines_split_over_reads_are_reassembled(
@@ -376,8 +375,7 @@ async def test_lines_split_over_reads_are_reassembled(
         a, b = clusterd_job("a", servers=5), clusterd_job("b")
         emu.faults.push(SplitLines())
         async with open_watcher(emu) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             burst(cluster, a, b)
             await harness.caught_up(cluster)
             assert harness.watcher.counters.errors == 0
@@ -534,8 +532,7 @@ async def test_401_invalidates_the_credentials_and_recovers(
         cluster.write(a, "pending")
         settings = WatchSettings(watch_timeout=5)
         async with open_watcher(emu, settings, tokens=tokens, credentials=tokens) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             emu.set_token("token-2")  # open watches are not checked again
             rewrite_in_place(token_file, "token-2")

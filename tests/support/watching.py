@@ -74,6 +74,11 @@ class WatchHarness:
     #: (trio time, "list" or "watch", query) of every request the watcher sent.
     sent: list[tuple[float, str, dict[str, str]]] = field(default_factory=list)
 
+    async def watch_open(self, within: float = 10.0) -> None:
+        """Wait until the watcher's WATCH is streaming."""
+        with trio.fail_after(within):
+            await self.emu.wait_open_watches(1)
+
     def sent_times(self, kind: str) -> list[float]:
         return [when for when, what, _ in self.sent if what == kind]
 
