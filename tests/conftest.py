@@ -1,18 +1,44 @@
-"""Shared fixtures.
-
-grpcio client side (used by the gRPC integration tests under tests/rpc/):
+"""Fixtures shared by the whole suite; the helpers themselves are in tests/support/.
 
 - `grpcio_stubs`: job_pb2 / job_pb2_grpc generated from protos/ at test time;
 - `grpc_clients`: opens grpcio channels and closes every one of them at
-  teardown, which also ends any worker thread still blocked on a stream.
+  teardown, which also ends any worker thread still blocked on a stream;
+- `ca`: a certificate authority made for the session (trustme);
+- `emu`: the Kubernetes API emulator on 127.0.0.1, requiring the bearer token
+  `tests.support.cluster.TOKEN` (which `write_kubeconfig` writes by default);
+- `io_clock`: virtual time for tests that do real I/O.
+
+The clock rule (docs/architecture.md section 9). Timing rules are tested in
+virtual time (`trio.testing.MockClock`), and which MockClock depends on what
+the test does:
+
+- pure in-memory tests (no sockets, signals, threads or child processes) use
+  pytest-trio's `autojump_clock`: its threshold 0 jumps the clock the moment
+  every task is blocked, which trio documents as safe only without real I/O;
+- tests with real sockets (loopback HTTP, TLS, the metrics port), OS signals,
+  threads or child processes under an autojumping clock use `io_clock`, whose
+  small positive threshold (`IO_AUTOJUMP_THRESHOLD` real seconds) lets bytes in
+  flight, signals and other processes be seen before the clock jumps;
+- a frozen `mock_clock` (no autojump) stays as it is: it never jumps by itself.
+
+`tests.support.waiting.wait_until` never polls on a MockClock, so waiting
+adds no jumps (each jump of `io_clock` costs its threshold in real time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from grpcio_stubs import GrpcioClients, GrpcioStubs, load
+import trio.testing
+import trustme
+
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from tests.support.cluster import TOKEN
+from tests.support.grpcio import GrpcioClients, GrpcioStubs, load
+
+#: Real seconds every task must have been blocked before `io_clock` jumps.
+IO_AUTOJUMP_THRESHOLD = 0.02
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +53,19 @@ def grpc_clients(grpcio_stubs: GrpcioStubs) -> Iterator[GrpcioClients]:
         yield clients
     finally:
         clients.close_all()
+
+
+@pytest.fixture(scope="session")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+async def emu() -> AsyncIterator[KubeEmulator]:
+    async with open_emulator(token=TOKEN) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def io_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=IO_AUTOJUMP_THRESHOLD)

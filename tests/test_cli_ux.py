@@ -21,14 +21,16 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
-from rpc import local_settings, make_job, open_jobsignal_server, rank_table, wait_until
-from rpc.test_tls import write_pair
 
 from jobsignal.cli import EXIT_STDOUT_CLOSED, human_age, job_age, jobs_table, main, npu_count
 from jobsignal.config import SERVE_SETTINGS, SUBSCRIBE_SETTINGS
 from jobsignal.fanout import Broadcaster
 from jobsignal.rpc.tls import TlsFiles
 from jobsignal.store.model import JobSummary
+from tests.support.factories import make_job, rank_table
+from tests.support.grpc_server import local_settings, open_jobsignal_server
+from tests.support.tls import write_pair
+from tests.support.waiting import wait_until
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JOBSIGNAL_", "KUBE"))}
 GROUPS = [

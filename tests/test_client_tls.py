@@ -8,22 +8,28 @@ by every success, and its absence by the verification failure.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import trio
 import trustme
-from rpc import expected_signal, local_settings, make_job, open_jobsignal_server, wait_until
-from rpc.test_tls import write_pair
 
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.cli import EXIT_USAGE, build_parser, subscribe_options
 from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription
 from jobsignal.config import ConfigError
 from jobsignal.rpc.tls import TlsFiles
+from tests.support.factories import make_job
+from tests.support.grpc_server import ServerHarness, local_settings, open_jobsignal_server
+from tests.support.grpcio import expected_signal
+from tests.support.tls import write_pair
+from tests.support.waiting import wait_until
 
 SERVER_NAME = "jobsignal.internal"
 
@@ -64,6 +70,22 @@ def certs(tmp_path: Path) -> Certificates:
     )
 
 
+JOB = make_job(1)
+
+
+@asynccontextmanager
+async def serving_a_job(certs: Certificates, *, mutual: bool) -> AsyncIterator[ServerHarness]:
+    """A server on TLS (mutual or not) that holds the one job event `JOB`."""
+    async with open_jobsignal_server(local_settings(tls=certs.server(mutual=mutual))) as server:
+        server.broadcaster.publish([JOB])
+        yield server
+
+
+def uuid_of_the_job(server: ServerHarness) -> str:
+    (uuid,) = [entry.uuid for entry in server.broadcaster.latest()]
+    return uuid
+
+
 def options(port: int, certs: Certificates, cert: Path | None = None) -> SubscribeOptions:
     """Subscribe to 127.0.0.1:`port` over TLS, with client certificate `cert` if given."""
     return SubscribeOptions(
@@ -98,18 +120,15 @@ async def refusal(subscribe: SubscribeOptions) -> str:
 
 
 async def test_tls_subscription_receives_signals(certs: Certificates) -> None:
-    job = make_job(1)
-    async with open_jobsignal_server(local_settings(tls=certs.server(mutual=False))) as server:
-        server.broadcaster.publish([job])
-        (uuid,) = [entry.uuid for entry in server.broadcaster.latest()]
+    async with serving_a_job(certs, mutual=False) as server:
+        uuid = uuid_of_the_job(server)
         signal = await first_signal(options(server.port, certs))
-    assert signal.hccl_json == job.hccl_json
-    assert (signal.uuid, signal.job_id, signal.sid) == (uuid, job.job_id, job.sid)
+    assert signal.hccl_json == JOB.hccl_json
+    assert (signal.uuid, signal.job_id, signal.sid) == (uuid, JOB.job_id, JOB.sid)
 
 
 async def test_server_certificate_must_verify(certs: Certificates) -> None:
-    async with open_jobsignal_server(local_settings(tls=certs.server(mutual=False))) as server:
-        server.broadcaster.publish([make_job(1)])
+    async with serving_a_job(certs, mutual=False) as server:
         wrong_name = await refusal(replace(options(server.port, certs), tls_server_name=""))
         wrong_ca = await refusal(replace(options(server.port, certs), tls_ca=str(certs.client_ca)))
     assert "does not verify as '127.0.0.1'" in wrong_name, wrong_name
@@ -122,9 +141,7 @@ async def test_server_certificate_must_verify(certs: Certificates) -> None:
 async def test_mutual_tls_accepts_the_trusted_client_certificate_only(
     certs: Certificates,
 ) -> None:
-    job = make_job(1)
-    async with open_jobsignal_server(local_settings(tls=certs.server(mutual=True))) as server:
-        server.broadcaster.publish([job])
+    async with serving_a_job(certs, mutual=True) as server:
         trusted = options(server.port, certs, certs.client_cert)
         signal = await first_signal(trusted)
         refused = await refusal(options(server.port, certs, certs.stranger_cert))
@@ -132,7 +149,7 @@ async def test_mutual_tls_accepts_the_trusted_client_certificate_only(
         # The refusals did not consume anything: a trusted client still gets in.
         again = await first_signal(trusted)
         await wait_until(lambda: server.registry.active_subscriptions() == 0)
-    assert signal.job_id == again.job_id == job.job_id
+    assert signal.job_id == again.job_id == JOB.job_id
     assert "does not accept the client certificate" in refused, refused
     assert str(certs.stranger_cert) in refused
     assert "requires a client certificate" in anonymous, anonymous
@@ -224,8 +241,9 @@ async def run_cli(argv: list[str], within: float) -> tuple[int | None, list[str]
         nursery.start_soon(read, stdout, out)
         nursery.start_soon(read, stderr, err)
         with trio.move_on_after(within):
-            while process.poll() is None and b"\n" not in out:
-                await trio.sleep(0.02)
+            await wait_until(
+                lambda: process.poll() is not None or b"\n" in out, within=math.inf, interval=0.02
+            )
         still_running = process.poll() is None
         if still_running:
             process.kill()
@@ -236,10 +254,8 @@ async def run_cli(argv: list[str], within: float) -> tuple[int | None, list[str]
 async def test_cli_subscribes_over_mutual_tls_and_exits_1_when_refused(
     certs: Certificates,
 ) -> None:
-    job = make_job(1)
-    async with open_jobsignal_server(local_settings(tls=certs.server(mutual=True))) as server:
-        server.broadcaster.publish([job])
-        (uuid,) = [entry.uuid for entry in server.broadcaster.latest()]
+    async with serving_a_job(certs, mutual=True) as server:
+        uuid = uuid_of_the_job(server)
         tls = [
             f"--target=127.0.0.1:{server.port}",
             f"--tls-ca={certs.server_ca}",
@@ -254,7 +270,7 @@ async def test_cli_subscribes_over_mutual_tls_and_exits_1_when_refused(
 
     status, lines, _ = accepted
     assert status is None, accepted  # still subscribed when killed
-    assert json.loads(lines[0]) == expected_signal(job, uuid)
+    assert json.loads(lines[0]) == expected_signal(JOB, uuid)
     status, lines, err = refused
     assert (status, lines) == (1, []), refused
     assert "jobsignal: subscription refused: TLS:" in err, err

@@ -12,48 +12,54 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import trio
 import trio.testing
-from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
 from prometheus_client import CollectorRegistry
 
 from jobsignal.app import _handle_signals, readiness
 from jobsignal.metrics_server import route
 from jobsignal.status import SourceStatus
+from tests.support.grpcio import GrpcioClients, GrpcioStubs, cli_command, cli_env
+from tests.support.waiting import wait_until_blocking
+
+
+@asynccontextmanager
+async def handling_signals(drain_delay: float) -> AsyncIterator[tuple[trio.Event, trio.Event]]:
+    """`jobsignal serve`'s signal handler, installed: (shutdown, draining) events."""
+    shutdown, draining = trio.Event(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_handle_signals, shutdown, draining, drain_delay, nursery.cancel_scope)
+        await trio.testing.wait_all_tasks_blocked()
+        yield shutdown, draining
+        nursery.cancel_scope.cancel()
 
 
 async def test_first_signal_drains_for_the_delay_then_shuts_down(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
-    shutdown, draining = trio.Event(), trio.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_handle_signals, shutdown, draining, 5.0, nursery.cancel_scope)
-        await trio.testing.wait_all_tasks_blocked()
+    async with handling_signals(5.0) as (shutdown, draining):
         os.kill(os.getpid(), signal.SIGTERM)
         await draining.wait()
         drained_at = trio.current_time()
         assert not shutdown.is_set()
         await shutdown.wait()
         assert trio.current_time() - drained_at == 5.0
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_second_signal_skips_the_rest_of_the_drain(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
-    shutdown, draining = trio.Event(), trio.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_handle_signals, shutdown, draining, 60.0, nursery.cancel_scope)
-        await trio.testing.wait_all_tasks_blocked()
+    async with handling_signals(60.0) as (shutdown, draining):
         os.kill(os.getpid(), signal.SIGTERM)
         await draining.wait()
         await trio.sleep(1.0)
         os.kill(os.getpid(), signal.SIGINT)
         await shutdown.wait()
         assert trio.current_time() < 2.0
-        nursery.cancel_scope.cancel()
 
 
 async def test_readiness_names_why_not() -> None:
@@ -128,9 +134,12 @@ def test_sigterm_drains_a_real_server(
             if match := re.search(r"metrics on http://127\.0\.0\.1:(\d+)", line):
                 ports["metrics"] = int(match.group(1))
         readyz = f"http://127.0.0.1:{ports['metrics']}/readyz"
-        while _get(readyz) != 200:
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.05)
+        wait_until_blocking(
+            lambda: _get(readyz) == 200,
+            within=deadline - time.monotonic(),
+            what="/readyz 200",
+            interval=0.05,
+        )
 
         client = grpc_clients.connect(f"127.0.0.1:{ports['grpc']}")
         assert _health(grpcio_stubs, f"127.0.0.1:{ports['grpc']}") == {
@@ -144,9 +153,12 @@ def test_sigterm_drains_a_real_server(
 
         server.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        while _get(readyz) != 503:
-            assert time.monotonic() - signalled < 1.0, "/readyz did not turn 503 at once"
-            time.sleep(0.02)
+        wait_until_blocking(
+            lambda: _get(readyz) == 503,
+            within=signalled + 1.0 - time.monotonic(),
+            what="/readyz to turn 503 at once",
+            interval=0.02,
+        )
         assert _get(readyz.replace("readyz", "livez")) == 200
         target = f"127.0.0.1:{ports['grpc']}"
         assert _health(grpcio_stubs, target) == {"": "NOT_SERVING", "job.Job": "NOT_SERVING"}

@@ -14,17 +14,13 @@ import math
 import platform
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import grpclib
-import httpx
 import prometheus_client
 import trio
 import trio_asyncio
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 import jobsignal
@@ -36,77 +32,16 @@ from jobsignal.fanout.stats import FanoutStats, Histogram
 from jobsignal.kube.watcher import WatchCounters
 from jobsignal.metrics import BuildInfo, MetricSources, build_registry
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.emulator import open_emulator
 from jobsignal.sim.emulator.server import ExpireWatch, HttpError
 from jobsignal.store.configmap import REASONS
-
-
-def kubeconfig_for(emulator: KubeEmulator, path: Path) -> Path:
-    path.write_text(
-        f"""
-apiVersion: v1
-kind: Config
-current-context: emu
-clusters: [{{name: emu, cluster: {{server: "{emulator.url}"}}}}]
-users: [{{name: u, user: {{token: "t0ken"}}}}]
-contexts: [{{name: emu, context: {{cluster: emu, user: u}}}}]
-"""
-    )
-    return path
-
-
-@dataclass
-class Scrape:
-    """One parsed exposition: family types by name, and every sample."""
-
-    types: dict[str, str]
-    samples: list[Sample]
-
-    @classmethod
-    def parse(cls, text: str) -> Scrape:
-        types, samples = {}, []
-        for family in text_string_to_metric_families(text):
-            types[family.name] = family.type
-            samples.extend(family.samples)
-        return cls(types, samples)
-
-    def series(self, name: str) -> dict[frozenset[tuple[str, str]], float]:
-        """Every sample called `name`, by its label set."""
-        return {frozenset(s.labels.items()): s.value for s in self.samples if s.name == name}
-
-    def by(self, name: str, label: str) -> dict[str, float]:
-        """The samples called `name` by the value of their one label."""
-        found = {s.labels[label]: s.value for s in self.samples if s.name == name}
-        assert all(len(s.labels) == 1 for s in self.samples if s.name == name)
-        return found
-
-    def value(self, name: str, **labels: str) -> float:
-        series = self.series(name)
-        key = frozenset(labels.items())
-        assert key in series, f"{name}{labels} not in metrics (has {[dict(k) for k in series]})"
-        return series[key]
-
-
-async def scrape_text(port: int) -> str:
-    async with httpx.AsyncClient() as client:
-        response = await client.get(f"http://127.0.0.1:{port}/metrics")
-    assert response.status_code == 200
-    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-    return response.text
-
-
-async def scrape(port: int) -> Scrape:
-    return Scrape.parse(await scrape_text(port))
+from tests.support.cluster import TOKEN, write_kubeconfig
+from tests.support.metrics import Scrape, scrape, scrape_text
+from tests.support.waiting import wait_until
 
 
 def more_than(items: list[str], count: int) -> bool:
     return len(items) > count
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 10) -> None:
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.02)
 
 
 # Every jobsignal family, by type: a metric added without a check here fails the run test.
@@ -147,12 +82,12 @@ JOBSIGNAL_FAMILIES = {
 
 async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> None:
     started_wall = time.time()
-    async with open_emulator(token="t0ken", bookmark_interval=0.25) as emulator:
+    async with open_emulator(token=TOKEN, bookmark_interval=0.25) as emulator:
         config = load_config(
             {
                 "listen": "127.0.0.1:0",
                 "metrics_listen": "127.0.0.1:0",
-                "kubeconfig": str(kubeconfig_for(emulator, tmp_path / "config")),
+                "kubeconfig": str(write_kubeconfig(tmp_path / "config", emulator.url)),
                 "source": "kubernetes",
                 # Long enough for the silent subscriber to get all three events first.
                 "idle_timeout": "2",
@@ -182,7 +117,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
             # One subscriber that pings every 0.5 s, one silent one (closed when idle).
             nursery.start_soon(subscriber, "CCAgent", 0.5)
             nursery.start_soon(subscriber, "FdAgent", 600)
-            await wait_for(lambda: len(server._parts.broadcaster.subscribers) == 2)
+            await wait_until(lambda: len(server._parts.broadcaster.subscribers) == 2)
             first = await scrape(server.metrics_port)
             assert first.series("jobsignal_subscribers") == {
                 frozenset({("rpc", "SubscribeJobSummarySignal"), ("role", role)}): 1
@@ -193,7 +128,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
 
             # A third connection is over --max-connections 2: refused at once.
             extra = await trio.open_tcp_stream("127.0.0.1", server.port)
-            await wait_for(lambda: server._parts.grpc.connections.counter.refused == 1)
+            await wait_until(lambda: server._parts.grpc.connections.counter.refused == 1)
             await extra.aclose()
 
             writes = 0
@@ -205,22 +140,22 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
                     else:
                         emulator.state.update_configmap("ns", name, data=data)
                     writes += 1
-                await wait_for(partial(more_than, received, len(received)))
+                await wait_until(partial(more_than, received, len(received)))
             emulator.state.create_configmap("ns", "not-a-job", JOB_LABELS, {"no": "job_id"})
             writes += 1
-            await wait_for(lambda: sum(server._parts.store.rejected_total.values()) == 1)
+            await wait_until(lambda: sum(server._parts.store.rejected_total.values()) == 1)
 
             # The watch ends cleanly (restart 1); the next one gets 410 (relist 1),
             # the one after that a 500 (error 1); the fourth one stays.
             emulator.faults.push(ExpireWatch(), HttpError(500, target="watch"))
             emulator.restart(lose_history=False)
-            await wait_for(lambda: emulator.stats.watch_requests == 4)
-            await wait_for(
+            await wait_until(lambda: emulator.stats.watch_requests == 4)
+            await wait_until(
                 lambda: emulator.stats.open_watches == 1 and server._parts.status.in_sync
             )
-            await wait_for(lambda: server._parts.broadcaster.stats.stream_ends["idle"] == 1)
-            await wait_for(lambda: len(server._parts.grpc.connections) == 1)
-            await wait_for(lambda: server._parts.watcher.counters.bookmarks >= 1)
+            await wait_until(lambda: server._parts.broadcaster.stats.stream_ends["idle"] == 1)
+            await wait_until(lambda: len(server._parts.grpc.connections) == 1)
+            await wait_until(lambda: server._parts.watcher.counters.bookmarks >= 1)
 
             garbage = await trio.open_tcp_stream("127.0.0.1", server.metrics_port)
             async with garbage:

@@ -22,7 +22,6 @@ import trio.testing
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
-from test_metrics import Scrape, kubeconfig_for, scrape, scrape_text
 
 from jobsignal import metrics_server
 from jobsignal.app import RunningJobsignal, run_jobsignal
@@ -35,6 +34,8 @@ from jobsignal.metrics_server import (
     run_metrics_server,
 )
 from jobsignal.sim.emulator import open_emulator
+from tests.support.cluster import TOKEN, write_kubeconfig
+from tests.support.metrics import Scrape, scrape, scrape_text
 
 UP = CollectorRegistry()
 Gauge("up", "Test.", registry=UP).set(1)
@@ -242,11 +243,8 @@ async def test_a_client_reset_ends_only_its_connection() -> None:
 
 @pytest.mark.parametrize("sent", [b"", b"GET /metrics HTTP/1.1\r\nHost: h\r\n"])
 async def test_a_client_that_never_finishes_is_let_go_after_the_timeout(
-    sent: bytes, mock_clock: trio.testing.MockClock
+    sent: bytes, io_clock: trio.testing.MockClock
 ) -> None:
-    # Jump virtual time only once nothing has happened for a (real) moment,
-    # so bytes in flight on the loopback are delivered before any jump.
-    mock_clock.autojump_threshold = 0.05
     async with open_metrics_server() as server:
         stream = await trio.open_tcp_stream("127.0.0.1", server.port)
         async with stream:
@@ -401,12 +399,12 @@ def test_gzip_accepted(accept_encoding: str, accepted: bool) -> None:
 
 
 async def test_the_whole_server_survives_and_counts_http_faults(tmp_path: Path) -> None:
-    async with open_emulator(token="t0ken") as emulator:
+    async with open_emulator(token=TOKEN) as emulator:
         config = load_config(
             {
                 "listen": "127.0.0.1:0",
                 "metrics_listen": "127.0.0.1:0",
-                "kubeconfig": str(kubeconfig_for(emulator, tmp_path / "config")),
+                "kubeconfig": str(write_kubeconfig(tmp_path / "config", emulator.url)),
                 "source": "kubernetes",
             },
             {},

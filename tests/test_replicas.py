@@ -10,37 +10,25 @@ watchers against one Kubernetes API emulator and a client that fails over.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients
-from kube.helpers import (
-    Cluster,
-    Event,
-    GrpcStream,
-    configmap_json,
-    event_of,
-    eventually,
-    expected_summary,
-    in_thread,
-    write_kubeconfig,
-)
 
 from jobsignal._proto.job import JobSummarySignal
-from jobsignal.app import RunningJobsignal, run_jobsignal
-from jobsignal.config import load_config
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.sim.clusterd import ClusterdJob
-from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.emulator import open_emulator
 from jobsignal.store import JobKey, JobStore
 from jobsignal.store.model import EVENT_ID_NAMESPACE, JobSummary, event_id
+from tests.support.cluster import TOKEN, Cluster, expected_summary
+from tests.support.events import Event, event_of, events_of, wait_for_events
+from tests.support.factories import clusterd_job, configmap
+from tests.support.grpcio import GrpcioClients, GrpcioStream
+from tests.support.kube_server import open_kube_server, subscribe
+from tests.support.waiting import wait_until
 
 JOB = ClusterdJob("training", "resnet50", "6f1c1d0e-0000-4000-8000-000000000001", servers=2)
 
@@ -140,7 +128,7 @@ def test_two_stores_fed_the_same_configmaps_emit_the_same_ids() -> None:
         store = JobStore()
         relist = store.relist(None)
         for name, data in JOB.configmaps("running"):
-            relist.add(configmap_json(JOB.namespace, name, data))
+            relist.add(configmap(JOB.namespace, name, data))
         relist.commit(0.0)
         events = store.settle().events
         return [event_id(job) for job in events]
@@ -149,74 +137,6 @@ def test_two_stores_fed_the_same_configmaps_emit_the_same_ids() -> None:
 
 
 # -- two replicas against one cluster ---------------------------------------------------------
-
-TOKEN = "replica-token"
-
-
-@asynccontextmanager
-async def open_replica(emu: KubeEmulator, tmp_path: Path) -> AsyncIterator[RunningJobsignal]:
-    """A whole server with its own watcher, as one replica of a Deployment runs."""
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emu.url, user={"token": TOKEN})
-    config = load_config(
-        {
-            "listen": "127.0.0.1:0",
-            "source": "kubernetes",
-            "kubeconfig": str(kubeconfig),
-            "shutdown_grace": "1",
-        },
-        {},
-    )
-    raised: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        server: RunningJobsignal = await nursery.start(
-            functools.partial(run_jobsignal, config, environ={})
-        )
-        try:
-            with trio.fail_after(10):
-                await server.ready.wait()
-            yield server
-        except BaseException as exc:
-            raised = exc  # raised again below, not wrapped in the nursery's group
-        finally:
-            server.request_shutdown()
-            with trio.move_on_after(5):
-                await server.stopped.wait()
-            nursery.cancel_scope.cancel()
-    if raised is not None:
-        raise raised
-
-
-def target(server: RunningJobsignal) -> str:
-    return f"127.0.0.1:{server.port}"
-
-
-async def subscribe(
-    clients: GrpcioClients,
-    server: RunningJobsignal,
-    nursery: trio.Nursery,
-    role: str,
-    *,
-    as_list: bool = False,
-) -> GrpcStream:
-    """Register and subscribe with grpcio; returns once the server holds the stream."""
-    client = clients.connect(target(server))
-    client_id = await in_thread(client.register_id, role)
-    active = server._parts.registry.active_subscriptions()
-    if as_list:
-        call = client.subscribe_list(role, client_id, timeout=30)
-    else:
-        call = client.subscribe(role, client_id, timeout=30)
-    stream = GrpcStream(call)
-    nursery.start_soon(stream.run)
-    await eventually(
-        lambda: server._parts.registry.active_subscriptions() == active + 1,
-        what="the subscription to be active",
-    )
-    return stream
-
-
-def job(name: str, **options: Any) -> ClusterdJob:
-    return ClusterdJob("training", name, str(uuid.uuid5(uuid.NAMESPACE_DNS, name)), **options)
 
 
 def comparable(event: Event) -> tuple[str, JobSummary]:
@@ -229,17 +149,22 @@ async def test_two_replicas_send_the_same_events_with_the_same_ids(
 ) -> None:
     async with open_emulator(token=TOKEN) as emu:
         cluster = Cluster(emu.state)
-        early = job("early")
+        early = clusterd_job("early")
         cluster.write(early, "running")  # in both replicas' first LIST
-        split, single, marker = job("split", servers=3, servers_per_configmap=2), job("b"), job("m")
+        split, single, marker = (
+            clusterd_job("split", servers=3, servers_per_configmap=2),
+            clusterd_job("b"),
+            clusterd_job("m"),
+        )
         async with (
             trio.open_nursery() as nursery,
-            open_replica(emu, tmp_path) as one,
-            open_replica(emu, tmp_path) as two,
+            open_kube_server(emu, tmp_path, ready=True, shutdown_grace="1") as one,
+            open_kube_server(emu, tmp_path, ready=True, shutdown_grace="1") as two,
         ):
             # FdAgent gets the snapshot first: the early job, from each replica's LIST.
             streams = [
-                await subscribe(grpc_clients, server, nursery, "FdAgent") for server in (one, two)
+                await subscribe(grpc_clients, server, nursery, "FdAgent", timeout=30)
+                for server in (one, two)
             ]
             cluster.write(split, "pending")
             cluster.write(split, "running")  # three ConfigMaps rewritten one by one
@@ -251,8 +176,10 @@ async def test_two_replicas_send_the_same_events_with_the_same_ids(
             cluster.write(marker, "pending")
             final = expected_summary(marker, "pending")
             seen = [
-                await stream.wait_for(
-                    lambda events: bool(events) and events[-1].job == final, what="the marker"
+                await wait_for_events(
+                    stream,
+                    lambda events: bool(events) and events[-1].job == final,
+                    what="the marker",
                 )
                 for stream in streams
             ]
@@ -316,7 +243,7 @@ class FailoverClient:
             self.take(event)
 
 
-def list_events(stream: GrpcStream) -> list[list[Event]]:
+def list_events(stream: GrpcioStream) -> list[list[Event]]:
     """Each JobSummarySignalList message of a list stream, as events."""
     return [[event_of(s) for s in message.jobSummarySignals] for message in list(stream.messages)]
 
@@ -325,24 +252,29 @@ async def test_a_client_failing_over_to_another_replica_misses_nothing(
     grpc_clients: GrpcioClients, tmp_path: Path
 ) -> None:
     steady, changes, ends, born, after = (
-        job("steady"),
-        job("changes"),
-        job("ends"),
-        job("born"),
-        job("after"),
+        clusterd_job("steady"),
+        clusterd_job("changes"),
+        clusterd_job("ends"),
+        clusterd_job("born"),
+        clusterd_job("after"),
     )
     async with open_emulator(token=TOKEN) as emu:
         cluster = Cluster(emu.state)
         client = FailoverClient()
-        async with trio.open_nursery() as nursery, open_replica(emu, tmp_path) as two:
+        async with (
+            trio.open_nursery() as nursery,
+            open_kube_server(emu, tmp_path, ready=True, shutdown_grace="1") as two,
+        ):
             # The reference: one uninterrupted stream from the replica that stays up.
-            reference = await subscribe(grpc_clients, two, nursery, "FdAgent")
-            async with open_replica(emu, tmp_path) as one:
-                stream = await subscribe(grpc_clients, one, nursery, "CCAgent", as_list=True)
+            reference = await subscribe(grpc_clients, two, nursery, "FdAgent", timeout=30)
+            async with open_kube_server(emu, tmp_path, ready=True, shutdown_grace="1") as one:
+                stream = await subscribe(
+                    grpc_clients, one, nursery, "CCAgent", as_list=True, timeout=30
+                )
                 for each in (steady, changes, ends):
                     cluster.write(each, "pending")
                 cluster.write(steady, "running")
-                await eventually(
+                await wait_until(
                     lambda: sum(map(len, list_events(stream))) == 4, what="the first events"
                 )
                 # Mid-stream, replica one goes away (its pod is rescheduled).
@@ -359,10 +291,10 @@ async def test_a_client_failing_over_to_another_replica_misses_nothing(
             cluster.remove(ends)
             cluster.write(born, "pending")
             # Reconnect to replica two: the List RPC's snapshot, then live changes.
-            again = await subscribe(grpc_clients, two, nursery, "CCAgent", as_list=True)
+            again = await subscribe(grpc_clients, two, nursery, "CCAgent", as_list=True, timeout=30)
             cluster.write(after, "pending")
             expected = expected_summary(after, "pending")
-            await eventually(
+            await wait_until(
                 lambda: any(e.job == expected for batch in list_events(again) for e in batch),
                 what="the live event after the reconnect",
             )
@@ -371,19 +303,21 @@ async def test_a_client_failing_over_to_another_replica_misses_nothing(
             for batch in live:
                 for event in batch:
                     client.take(event)
-            await reference.wait_for(
-                lambda events: bool(events) and events[-1].job == expected, what="the reference"
+            await wait_for_events(
+                reference,
+                lambda events: bool(events) and events[-1].job == expected,
+                what="the reference",
             )
             nursery.cancel_scope.cancel()
     wanted = cluster.live()
     assert {key: event.job for key, event in client.held.items()} == wanted
     # Per job, the client ends on the very event the uninterrupted stream ended on.
-    reference_last = {e.job.key: e for e in reference.events()}
+    reference_last = {e.job.key: e for e in events_of(reference)}
     assert {key: e.uuid for key, e in client.held.items()} == {
         key: reference_last[key].uuid for key in wanted
     }
     # Every event the client took is one the replica that stayed up sent too.
-    reference_ids = {e.uuid for e in reference.events()}
+    reference_ids = {e.uuid for e in events_of(reference)}
     assert {e.uuid for e in client.taken} <= reference_ids
     # The snapshot repeated what the client already had: recognised by uuid.
     assert [e.job.job_name for e in client.duplicates] == ["steady"]

@@ -41,8 +41,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -115,7 +115,8 @@ class ClientSubscription(threading.Thread):
 
     def run(self) -> None:
         import grpc
-        from grpcio_stubs import channel_options
+
+        from tests.support.grpcio import channel_options
 
         stubs = self.stubs
         # Retries on, as in a default grpcio client: an RPC sent just as the server
@@ -184,7 +185,7 @@ class ClientSubscription(threading.Thread):
 
 def client_main(target: str, specs: list[SubSpec]) -> None:
     """Run the subscriptions; answer `dump` on stdin with one JSON line; `quit` or EOF ends."""
-    from grpcio_stubs import load
+    from tests.support.grpcio import load
 
     stubs = load()
     stopping = threading.Event()
@@ -216,8 +217,6 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 import trio  # noqa: E402
 import trio.lowlevel  # noqa: E402
-from grpcio_stubs import GrpcioStubs, cli_env  # noqa: E402
-from rpc import expected_signal  # noqa: E402
 
 from jobsignal.app import RunningJobsignal, run_jobsignal  # noqa: E402
 from jobsignal.config import configure  # noqa: E402
@@ -225,15 +224,14 @@ from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob  # noqa: E402
 from jobsignal.sim.emulator import (  # noqa: E402
     ConfigMapStore,
     KubeEmulator,
-    Selector,
     StatusError,
     open_emulator,
 )
-from jobsignal.store.configmap import Slice, parse_slice  # noqa: E402
-from jobsignal.store.jobs import assemble  # noqa: E402
 from jobsignal.store.model import JobSummary  # noqa: E402
+from tests.support.cluster import TOKEN, cluster_states, write_kubeconfig  # noqa: E402
+from tests.support.grpcio import GrpcioStubs, cli_env, expected_signal  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 
-TOKEN = "soak-token"
 # Keepalive clients ping every second: they survive stalls of up to 3 s on a loaded machine.
 IDLE_TIMEOUT = 4.0
 DRIVE_SECONDS = 38.0
@@ -275,22 +273,6 @@ def fresh_specs() -> list[SubSpec]:
         SubSpec("FdAgent" if i % 2 else "DefaultUser2", list_mode=(i % 2 == 0), keepalive=True)
         for i in range(FRESH_SUBS)
     ]
-
-
-def kubeconfig_for(emulator: KubeEmulator, path: Path) -> Path:
-    path.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "emu",
-                "clusters": [{"name": "emu", "cluster": {"server": emulator.url}}],
-                "users": [{"name": "u", "user": {"token": TOKEN}}],
-                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u"}}],
-            }
-        )
-    )
-    return path
 
 
 # -- the cluster: ClusterD's job lifecycle, driven continuously ------------------------------
@@ -405,17 +387,9 @@ def job_fields(job: JobSummary) -> dict[str, str]:
 
 def cluster_jobs(state: ConfigMapStore) -> dict[str, JobSummary]:
     """The live jobs the cluster's ConfigMaps describe, by 'namespace/jobId'."""
-    slices: defaultdict[str, list[Slice]] = defaultdict(list)
-    for configmap in state.objects(Selector.parse(label_selector="outside-job-info=true")):
-        piece = parse_slice(configmap.to_json())
-        slices[f"{configmap.namespace}/{piece.fields.job_id}"].append(piece)
-    live: dict[str, JobSummary] = {}
-    for key, pieces in slices.items():
-        job = assemble(pieces)
-        assert job is not None, f"the driver left {key} inconsistent"
-        if job.operator != "delete":
-            live[key] = job
-    return live
+    states = cluster_states(state)
+    assert None not in states.values(), "the driver left a job inconsistent"
+    return {str(key): job for key, job in states.items() if job and not job.is_deleted}
 
 
 # -- client processes ------------------------------------------------------------------------
@@ -558,18 +532,14 @@ def expected_counts(live: int) -> dict[str, object]:
     }
 
 
-async def wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
-    with trio.move_on_after(within):
-        while not condition():
-            await trio.sleep(0.05)
-        return
-    raise AssertionError(f"timed out after {within}s waiting for {what}")
+#: Polling interval of the soak's waits: the server is busy enough.
+POLL = 0.05
 
 
 async def wait_for_counts(server: RunningJobsignal, live: int, within: float = 20) -> None:
     want = expected_counts(live)
     try:
-        await wait_for(lambda: server_counts(server) == want, within, f"{want}")
+        await wait_until(lambda: server_counts(server) == want, within=within, interval=POLL)
     except AssertionError:
         raise AssertionError(f"server holds {server_counts(server)}, expected {want}") from None
 
@@ -581,7 +551,9 @@ async def wait_registrations_settle(server: RunningJobsignal, live: int) -> None
         server._parts.registry.expire(trio.current_time())
         return len(server._parts.registry) == live
 
-    await wait_for(settled, REGISTRATION_TTL + 10, f"{live} registrations")
+    await wait_until(
+        settled, within=REGISTRATION_TTL + 10, what=f"{live} registrations", interval=POLL
+    )
 
 
 # -- the soak ----------------------------------------------------------------------------------
@@ -662,7 +634,7 @@ async def test_soak_full_server_many_clients_changing_cluster(
         config = configure(
             listen="127.0.0.1:0",
             source="kubernetes",
-            kubeconfig=str(kubeconfig_for(emulator, tmp_path / "kubeconfig")),
+            kubeconfig=str(write_kubeconfig(tmp_path / "kubeconfig", emulator.url)),
             idle_timeout=IDLE_TIMEOUT,
             min_client_ping_interval=0.5,  # grpcio's 1 s keepalive is no flood
             max_subscriptions_per_role=1000,
@@ -698,8 +670,8 @@ async def test_soak_full_server_many_clients_changing_cluster(
             await wait_for_counts(server, live=0)
             await wait_registrations_settle(server, live=0)
             assert server._parts.broadcaster.subscribers == frozenset()
-            await wait_for(lambda: count_tasks() <= tasks_before, 10, "trio tasks to end")
-            await wait_for(lambda: open_fds() <= fds_before + 2, 10, "file descriptors")
+            await wait_until(lambda: count_tasks() <= tasks_before, what="tasks", interval=POLL)
+            await wait_until(lambda: open_fds() <= fds_before + 2, what="fds", interval=POLL)
             report.figures["trio tasks before/after"] = f"{tasks_before}/{count_tasks()}"
             report.figures["fds before/after"] = f"{fds_before}/{open_fds()}"
             server.request_shutdown()
@@ -761,10 +733,11 @@ async def soak(
     await wait_for_counts(server, live, within=30)
 
     cluster = cluster_jobs(emulator.state)
-    await wait_for(
+    await wait_until(
         lambda: {str(job.key): job for job in server._parts.store.live_jobs()} == cluster,
-        20,
-        "the job store to match the cluster",
+        within=20,
+        what="the job store to match the cluster",
+        interval=POLL,
     )
     expected = expected_from(server, cluster)
     report.figures["final jobs"] = expected.count

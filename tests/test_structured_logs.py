@@ -20,12 +20,12 @@ from typing import Any
 import grpc
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients
-from rpc import in_thread, rpc_error
 
 from jobsignal.cli import main
 from jobsignal.config import ConfigError, load_config
 from jobsignal.logs import JsonFormatter, RateLimitedLog, TextFormatter, configure_logging
+from tests.support.grpcio import GrpcioClients, rpc_error
+from tests.support.threads import in_thread
 
 # 2026-12-01T09:00:00.123Z
 CREATED = 1_796_115_600.123
@@ -77,28 +77,7 @@ def test_json_lines_carry_the_records_extra_fields_as_keys(
     root_logging: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     configure_logging("info", "json")
-    log = logging.getLogger("jobsignal.test")
-    log.info(
-        "client subscription ended: %s reason=%s",
-        "CCAgent",
-        "idle",
-        extra={
-            "event": "client_subscription_ended",
-            "role": "CCAgent",
-            "client_id": "0d6c",
-            "peer": "127.0.0.1:5000",
-            "reason": "idle",
-            "namespace": "training",
-            "job": "llama-70b",
-            "npus": 768,
-        },
-    )
-    (line,) = json_lines(capsys.readouterr().err)
-    assert line == {
-        "time": line["time"],
-        "level": "info",
-        "logger": "jobsignal.test",
-        "message": "client subscription ended: CCAgent reason=idle",
+    fields = {
         "event": "client_subscription_ended",
         "role": "CCAgent",
         "client_id": "0d6c",
@@ -107,6 +86,17 @@ def test_json_lines_carry_the_records_extra_fields_as_keys(
         "namespace": "training",
         "job": "llama-70b",
         "npus": 768,
+    }
+    logging.getLogger("jobsignal.test").info(
+        "client subscription ended: %s reason=%s", "CCAgent", "idle", extra=fields
+    )
+    (line,) = json_lines(capsys.readouterr().err)
+    assert line == {
+        "time": line["time"],
+        "level": "info",
+        "logger": "jobsignal.test",
+        "message": "client subscription ended: CCAgent reason=idle",
+        **fields,
     }
     assert list(line)[:4] == ["time", "level", "logger", "message"]
 

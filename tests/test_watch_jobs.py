@@ -18,35 +18,25 @@ from pathlib import Path
 
 import pytest
 import trio
-from kube.helpers import Cluster, expected_summary, write_kubeconfig
 
 import jobsignal
 from jobsignal.config import Config
 from jobsignal.events import EventKind, FellBehind, JobEvent, JobEvents, JobState, parse_rank_table
 from jobsignal.fanout import Broadcaster
-from jobsignal.sim.clusterd import ClusterdJob
-from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.emulator import KubeEmulator
 from jobsignal.store.model import JobSummary, event_id
+from tests.support.cluster import Cluster, expected_summary, write_kubeconfig
+from tests.support.factories import clusterd_job
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).parent.parent
-TOKEN = "embed-token"
-
-
-def job(name: str, **options: object) -> ClusterdJob:
-    return ClusterdJob("training", name, f"uid-{name}", **options)  # type: ignore[arg-type]
 
 
 def config_for(emu: KubeEmulator, tmp_path: Path, **settings: object) -> Config:
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emu.url, user={"token": TOKEN})
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emu.url)
     return jobsignal.configure(
         source="kubernetes", kubeconfig=str(kubeconfig), listen="127.0.0.1:0", **settings
     )
-
-
-@pytest.fixture
-async def emu() -> AsyncIterator[KubeEmulator]:
-    async with open_emulator(token=TOKEN) as emulator:
-        yield emulator
 
 
 async def next_event(events: JobEvents) -> JobEvent:
@@ -61,7 +51,7 @@ async def test_watch_jobs_yields_the_cluster_then_its_changes(
     emu: KubeEmulator, tmp_path: Path
 ) -> None:
     cluster = Cluster(emu.state)
-    early, split = job("early"), job("split", servers=3, servers_per_configmap=2)
+    early, split = clusterd_job("early"), clusterd_job("split", servers=3, servers_per_configmap=2)
     cluster.write(early, "running")
     async with jobsignal.watch_jobs(config_for(emu, tmp_path), environ={}) as events:
         first = await next_event(events)
@@ -106,7 +96,7 @@ async def test_watch_jobs_yields_the_cluster_then_its_changes(
 async def test_watch_jobs_cancels_cleanly_with_its_nursery(
     emu: KubeEmulator, tmp_path: Path
 ) -> None:
-    Cluster(emu.state).write(job("a"), "pending")
+    Cluster(emu.state).write(clusterd_job("a"), "pending")
     entered = trio.Event()
     received: list[JobEvent] = []
 
@@ -121,8 +111,7 @@ async def test_watch_jobs_cancels_cleanly_with_its_nursery(
             nursery.start_soon(consume)
             await entered.wait()
             await emu.wait_open_watches(1)
-            while not received:
-                await trio.sleep(0.01)
+            await wait_until(lambda: bool(received), what="the first event")
             nursery.cancel_scope.cancel()  # the consumer is blocked in `async for`
         await emu.wait_open_watches(0)
     assert [event.job.job_name for event in received] == ["a"]
@@ -152,7 +141,7 @@ async def test_open_subscription_shares_the_servers_events_and_ends_with_it(
     emu: KubeEmulator, tmp_path: Path
 ) -> None:
     cluster = Cluster(emu.state)
-    cluster.write(job("early"), "pending")
+    cluster.write(clusterd_job("early"), "pending")
     config = config_for(emu, tmp_path, shutdown_grace=1)
     received: list[JobEvent] = []
     with trio.fail_after(15):
@@ -163,7 +152,7 @@ async def test_open_subscription_shares_the_servers_events_and_ends_with_it(
             ):
                 assert len(server._parts.broadcaster.event_queues) == 2
                 received.append(await next_event(events))
-                cluster.write(job("early"), "running")
+                cluster.write(clusterd_job("early"), "running")
                 received.append(await next_event(events))
                 only = await next_event(live_only)
                 # Without the snapshot, the first event of a job is ADDED for this consumer.
@@ -177,14 +166,14 @@ async def test_open_subscription_shares_the_servers_events_and_ends_with_it(
         (EventKind.CHANGED, "running"),
     ]
     # The same uuid a gRPC client gets for the same event.
-    assert received[1].uuid == event_id(expected_summary(job("early"), "running"))
+    assert received[1].uuid == event_id(expected_summary(clusterd_job("early"), "running"))
 
 
 # -- the channel: kinds, order, slow consumers ---------------------------------------------------
 
 
 def summary(name: str, status: str = "pending", operator: str = "add") -> JobSummary:
-    return expected_summary(job(name), status, operator)
+    return expected_summary(clusterd_job(name), status, operator)
 
 
 async def drain(events: JobEvents) -> list[tuple[EventKind, str, str]]:

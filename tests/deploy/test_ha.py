@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from deploy.test_manifests import (
+from .test_manifests import (
     COMPONENT_PURPOSES,
     KUBE,
     ROOT_KUSTOMIZATIONS,

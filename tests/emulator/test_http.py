@@ -3,7 +3,8 @@
 LIST (whole, chunked, selectors, resourceVersion rules), WATCH (initial state,
 resuming, 410, selector transitions, bookmarks, timeouts), CRUD status codes, every
 injectable fault, restarts, TLS with client certificates and bearer tokens. Tests
-that wait for server timers take `autojump_clock` and run in virtual time.
+that wait for server timers run in virtual time on `io_clock` (real sockets:
+see the clock rule in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -36,14 +37,12 @@ from jobsignal.sim.emulator import (
     open_emulator,
     run_emulator,
 )
+from tests.support.cluster import TOKEN
+from tests.support.tls import client_context, server_context
 
 Json = dict[str, Any]
-
-
-@pytest.fixture
-async def emu() -> AsyncIterator[KubeEmulator]:
-    async with open_emulator() as emulator:
-        yield emulator
+#: What every request to the `emu` fixture's emulator carries.
+AUTHORIZATION = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _client_timeout() -> float | None:
@@ -55,7 +54,9 @@ def _client_timeout() -> float | None:
 
 @pytest.fixture
 async def client(emu: KubeEmulator) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=emu.url, timeout=_client_timeout()) as http:
+    async with httpx.AsyncClient(
+        base_url=emu.url, headers=AUTHORIZATION, timeout=_client_timeout()
+    ) as http:
         yield http
 
 
@@ -94,7 +95,8 @@ async def raw_get(emu: KubeEmulator, target: str) -> tuple[list[bytes], bool]:
     assert url.hostname is not None and url.port is not None
     stream = await trio.open_tcp_stream(url.hostname, url.port)
     conn = h11.Connection(h11.CLIENT)
-    request = h11.Request(method="GET", target=target, headers=[("Host", "emulator")])
+    headers = [("Host", "emulator"), *AUTHORIZATION.items()]
+    request = h11.Request(method="GET", target=target, headers=headers)
     await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
     chunks: list[bytes] = []
     current = b""
@@ -201,7 +203,7 @@ async def test_exact_list_of_a_compacted_version_is_410(
 
 
 async def test_list_of_a_future_version_waits_then_504(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     ahead = str(emu.state.resource_version + 1)
     start = trio.current_time()
@@ -384,7 +386,7 @@ async def test_watch_one_object_by_field_selector(
 
 
 async def test_bookmarks_carry_only_the_version_and_cover_filtered_changes(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     start = trio.current_time()
     async with watch(
@@ -415,7 +417,7 @@ async def test_bookmarks_carry_only_the_version_and_cover_filtered_changes(
 
 
 async def test_no_bookmarks_unless_asked(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     async with watch(client, "/api/v1/configmaps", timeoutSeconds="600") as w:
         events = await w.rest()
@@ -423,7 +425,7 @@ async def test_no_bookmarks_unless_asked(
 
 
 async def test_watch_times_out_cleanly_after_a_last_bookmark(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     start = trio.current_time()
     seen: list[tuple[str, float]] = []
@@ -441,7 +443,7 @@ async def test_watch_times_out_cleanly_after_a_last_bookmark(
     assert emu.stats.connections == 1
 
 
-async def test_server_default_watch_timeout(autojump_clock: trio.testing.MockClock) -> None:
+async def test_server_default_watch_timeout(io_clock: trio.testing.MockClock) -> None:
     async with (
         open_emulator(default_watch_timeout=300.0, bookmark_interval=60.0) as emu,
         httpx.AsyncClient(base_url=emu.url, timeout=None) as client,
@@ -553,7 +555,7 @@ async def test_drop_in_the_middle_of_a_list_body(emu: KubeEmulator) -> None:
 
 
 async def test_stalled_list_body(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     emu.state.create_configmap("ns", "a")
     emu.faults.push(Stall(target="list"))
@@ -568,7 +570,7 @@ async def test_stalled_list_body(
 
 
 async def test_split_lines_straddle_chunks(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator
+    io_clock: trio.testing.MockClock, emu: KubeEmulator
 ) -> None:
     emu.state.create_configmap("ns", "a")
     emu.faults.push(SplitLines())
@@ -580,7 +582,7 @@ async def test_split_lines_straddle_chunks(
 
 
 async def test_stall_keeps_the_connection_silent(
-    autojump_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
+    io_clock: trio.testing.MockClock, emu: KubeEmulator, client: httpx.AsyncClient
 ) -> None:
     emu.state.create_configmap("ns", "a")
     emu.faults.push(Stall(after_events=1))
@@ -688,7 +690,7 @@ async def test_restart_releases_a_stalled_watch(
 # ------------------------------------------------------------------- auth and TLS
 
 
-async def test_bearer_token_and_rotation(autojump_clock: trio.testing.MockClock) -> None:
+async def test_bearer_token_and_rotation(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator(token="first") as emu:
 
         def client_with(token: str | None) -> httpx.AsyncClient:
@@ -716,28 +718,6 @@ async def test_bearer_token_and_rotation(autojump_clock: trio.testing.MockClock)
             emu.set_token("third", also_accept=["second"])
             assert (await new.get("/api/v1/configmaps")).status_code == 200
         assert emu.requests[-1].authorization == "Bearer second"
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-def server_context(ca: trustme.CA, *, client_certs: bool) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    if client_certs:
-        context.verify_mode = ssl.CERT_REQUIRED
-        ca.configure_trust(context)
-    return context
-
-
-def client_context(ca: trustme.CA, *, with_cert: bool) -> ssl.SSLContext:
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    if with_cert:
-        ca.issue_cert("jobsignal@example.com").configure_cert(context)
-    return context
 
 
 async def test_https(ca: trustme.CA) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import trio
@@ -10,30 +11,15 @@ import trio
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list, signal_message
-from jobsignal.store.model import JobSummary
+from tests.support.factories import make_job
+from tests.support.grpcio import expected_signal
 
-
-def job(job_id: str, status: str = "running", npus: int = 8, operator: str = "add") -> JobSummary:
-    return JobSummary(
-        "ns",
-        job_id,
-        f"name-{job_id}",
-        "pytorch",
-        status,
-        "17",
-        "2",
-        '{"status":"complete"}',
-        "",
-        "[]",
-        "1.2.3.4",
-        operator,
-        "sid-1",
-        npu_count=npus,
-    )
+#: Job events with a stub rank table: fan-out tests want small messages of known size.
+small_job = functools.partial(make_job, hccl_json='{"status":"complete"}')
 
 
 def test_composed_list_equals_generated_encoding() -> None:
-    signals = [signal_message(job(str(i)), f"uuid-{i}") for i in range(3)]
+    signals = [signal_message(small_job(job_id=str(i)), f"uuid-{i}") for i in range(3)]
     composed = encode_signal_list([bytes(s) for s in signals], 1_700_000_000_123, 300)
     expected = JobSummarySignalList(
         job_summary_signals=signals, report_time="1700000000123", job_total_num=300
@@ -45,23 +31,11 @@ def test_composed_list_equals_generated_encoding() -> None:
 
 
 def test_every_field_is_mapped() -> None:
-    signal = JobSummarySignal.parse(encode_signal(job("j1"), "u-1"))
-    assert signal.to_dict() == {
-        "uuid": "u-1",
-        "jobId": "j1",
-        "jobName": "name-j1",
-        "namespace": "ns",
-        "frameWork": "pytorch",
-        "jobStatus": "running",
-        "time": "17",
-        "cmIndex": "0",
-        "total": "2",
-        "hcclJson": '{"status":"complete"}',
-        "sharedTorIp": "[]",
-        "masterAddr": "1.2.3.4",
-        "operator": "add",
-        "sid": "sid-1",
-    }
+    job = make_job(1)  # every field distinct
+    expected = expected_signal(job, "u-1")
+    expected["hcclJson"] = expected.pop("HcclJson")  # to_dict's spelling
+    del expected["deleteTime"]  # empty: to_dict leaves out default values
+    assert JobSummarySignal.parse(encode_signal(job, "u-1")).to_dict() == expected
 
 
 async def test_one_encoding_per_event_shared_by_all_subscribers() -> None:
@@ -70,7 +44,7 @@ async def test_one_encoding_per_event_shared_by_all_subscribers() -> None:
         broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", str(i), snapshot=False)
         for i in range(3)
     ]
-    broadcaster.publish([job("a")])
+    broadcaster.publish([small_job(job_id="a")])
     frames = [(await s.next_batch(10))[0] for s in subs]
     assert frames[0] is frames[1] is frames[2]
 
@@ -80,14 +54,16 @@ async def test_slow_subscriber_is_coalesced_then_ended() -> None:
     slow = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "slow", snapshot=False)
     # Many changes of two jobs: coalescing keeps the newest state of each.
     for status in ["pending", "running", "complete", "failed"] * 3:
-        broadcaster.publish([job("a", status), job("b", status)])
+        broadcaster.publish(
+            [small_job(job_id="a", status=status), small_job(job_id="b", status=status)]
+        )
     assert slow.end_reason is None
     assert slow.pending <= 4 and slow.coalesced > 0
     latest = [JobSummarySignal.parse(f) for f in await slow.next_batch(10)]
     newest = {s.job_id: s.job_status for s in latest}
     assert newest == {"a": "failed", "b": "failed"}
     # More distinct jobs than the queue holds: the subscriber is ended and its queue freed.
-    broadcaster.publish([job(str(i)) for i in range(6)])
+    broadcaster.publish([small_job(job_id=str(i)) for i in range(6)])
     assert slow.end_reason is EndReason.SLOW
     assert slow.pending == 0 and slow.pending_bytes == 0
 
@@ -95,14 +71,15 @@ async def test_slow_subscriber_is_coalesced_then_ended() -> None:
 async def test_byte_limit_ends_a_subscriber() -> None:
     broadcaster = Broadcaster(max_pending=100, max_pending_bytes=1000)
     sub = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "x", snapshot=False)
-    big = dataclasses.replace(job("a"), hccl_json="x" * 600)
+    big = dataclasses.replace(small_job(job_id="a"), hccl_json="x" * 600)
     broadcaster.publish([big, dataclasses.replace(big, job_id="b")])
     assert sub.end_reason is EndReason.SLOW
 
 
 async def test_signal_snapshot_only_when_asked() -> None:
     broadcaster = Broadcaster()
-    broadcaster.publish([job("a"), job("b"), job("c", operator="delete")])
+    deleted = small_job(job_id="c", operator="delete")
+    broadcaster.publish([small_job(job_id="a"), small_job(job_id="b"), deleted])
     with_snapshot = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "1", snapshot=True)
     without = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "2", snapshot=False)
     assert [JobSummarySignal.parse(f).job_id for f in await with_snapshot.next_batch(10)] == [
@@ -117,30 +94,30 @@ async def test_a_snapshot_larger_than_the_queue_limits_is_owed_not_a_backlog(
     kind: StreamKind,
 ) -> None:
     broadcaster = Broadcaster(max_pending=4, max_pending_bytes=2000, batch_npus=8)
-    jobs = [dataclasses.replace(job(str(i)), hccl_json="x" * 300) for i in range(10)]
+    jobs = [dataclasses.replace(small_job(job_id=str(i)), hccl_json="x" * 300) for i in range(10)]
     broadcaster.publish(jobs)
     sub = broadcaster.subscribe(kind, "FdAgent", "1", snapshot=True)
     # Ten messages and 3,000+ bytes queued: over both limits, and not slow.
     assert sub.end_reason is None and sub.pending == 10
     # A live change of a job the snapshot holds replaces its queued state.
-    broadcaster.publish([job("3", status="complete")])
+    broadcaster.publish([small_job(job_id="3", status="complete")])
     assert sub.end_reason is None
     delivered: list[bytes] = []
     while sub.pending:
         delivered += await sub.next_batch(3)
     assert len(delivered) >= 10
     # Once the snapshot is delivered the usual limits hold again.
-    broadcaster.publish([job(f"new-{i}") for i in range(5)])
+    broadcaster.publish([small_job(job_id=f"new-{i}") for i in range(5)])
     assert sub.end_reason is EndReason.SLOW
 
 
 async def test_a_live_backlog_on_top_of_a_snapshot_is_still_bounded() -> None:
     broadcaster = Broadcaster(max_pending=4)
-    broadcaster.publish([job(str(i)) for i in range(10)])
+    broadcaster.publish([small_job(job_id=str(i)) for i in range(10)])
     sub = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "1", snapshot=True)
-    broadcaster.publish([job(f"new-{i}") for i in range(4)])
+    broadcaster.publish([small_job(job_id=f"new-{i}") for i in range(4)])
     assert sub.end_reason is None
-    broadcaster.publish([job("new-4")])
+    broadcaster.publish([small_job(job_id="new-4")])
     assert sub.end_reason is EndReason.SLOW
 
 
@@ -156,7 +133,7 @@ async def test_list_snapshot_batches_by_npus(
     npus: list[int], expected_batches: list[list[int]]
 ) -> None:
     broadcaster = Broadcaster(wall_clock=lambda: 1234.5)
-    broadcaster.publish([job(str(i), npus=n) for i, n in enumerate(npus)])
+    broadcaster.publish([small_job(job_id=str(i), npus=n) for i, n in enumerate(npus)])
     sub = broadcaster.subscribe(StreamKind.LIST, "CCAgent", "x", snapshot=False)
     batches = [JobSummarySignalList.parse(f) for f in await sub.next_batch(100)]
     assert [[int(s.job_id) for s in b.job_summary_signals] for b in batches] == expected_batches
@@ -173,7 +150,7 @@ async def test_live_changes_arrive_as_lists_of_one() -> None:
     sub = broadcaster.subscribe(StreamKind.LIST, "CCAgent", "x", snapshot=False)
     [empty] = [JobSummarySignalList.parse(f) for f in await sub.next_batch(10)]
     assert empty.job_total_num == 0 and empty.job_summary_signals == []
-    broadcaster.publish([job("a"), job("b")])
+    broadcaster.publish([small_job(job_id="a"), small_job(job_id="b")])
     lists = [JobSummarySignalList.parse(f) for f in await sub.next_batch(10)]
     assert [len(x.job_summary_signals) for x in lists] == [1, 1]
     assert [x.job_total_num for x in lists] == [1, 2]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -30,10 +31,11 @@ from typing import Any
 import grpc
 import pytest
 import trio
-from rpc import expected_signal
 
 from bench import gobuild
 from jobsignal.store.model import JobSummary, event_id
+from tests.support.grpcio import expected_signal
+from tests.support.waiting import wait_until
 
 GO_SOURCE = Path(__file__).parent / "go" / "main.go"
 JS_DIR = Path(__file__).parent / "js"
@@ -128,10 +130,9 @@ class Peer:
 
     async def wait_for(self, condition: Callable[[Peer], bool], within: float, what: str) -> None:
         with trio.move_on_after(within):
-            while not condition(self):
-                if self.exited.is_set():
-                    break
-                await trio.sleep(0.01)
+            await wait_until(
+                lambda: condition(self) or self.exited.is_set(), within=math.inf, interval=0.01
+            )
         why = "the peer exited" if self.exited.is_set() else f"timed out after {within}s"
         assert condition(self), f"{why} waiting for {what}; {self.describe()}"
 

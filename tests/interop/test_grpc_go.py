@@ -23,19 +23,14 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients
-from rpc import (
-    StreamCollector,
-    in_thread,
-    local_settings,
-    make_job,
-    make_registry,
-    open_jobsignal_server,
-    wait_until,
-)
-from rpc.test_tls import Pki
 
 from jobsignal.rpc.session import SessionSettings
+from tests.support.factories import make_job
+from tests.support.grpc_server import local_settings, make_registry, open_jobsignal_server
+from tests.support.grpcio import GrpcioClients, GrpcioStream
+from tests.support.threads import in_thread
+from tests.support.tls import Pki
+from tests.support.waiting import wait_until
 
 from .peers import (
     BIG_NPUS,
@@ -286,7 +281,7 @@ async def test_keepalive_holds_quiet_connections_30s_and_silence_meets_the_idle_
         )
         grpcio_stream = grpc_clients.connect(target, **GRPCIO_3S)
         grpcio_id = await in_thread(grpcio_stream.register_id, "FdAgent")
-        grpcio_events = StreamCollector(grpcio_stream.subscribe("FdAgent", grpcio_id, timeout=60))
+        grpcio_events = GrpcioStream(grpcio_stream.subscribe("FdAgent", grpcio_id, timeout=60))
         grpcio_events.start(nursery)
         grpcio_no_stream = grpc_clients.connect(target, **GRPCIO_3S)
         await in_thread(grpcio_no_stream.register_id, "DefaultUser2")

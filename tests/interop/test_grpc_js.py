@@ -14,7 +14,10 @@ import itertools
 import grpc
 import pytest
 import trio
-from rpc import make_job, open_jobsignal_server, wait_until
+
+from tests.support.factories import make_job
+from tests.support.grpc_server import open_jobsignal_server
+from tests.support.waiting import wait_until
 
 from .peers import (
     BIG_NPUS,

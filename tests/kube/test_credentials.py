@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import os
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -26,18 +25,10 @@ from jobsignal.kube.credentials import (
     load_in_cluster,
     load_kubeconfig,
 )
+from tests.support.tls import b64, server_context
 
 TOKEN = "s3cr3t-token-value"
 CLUSTER_ENV = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-@pytest.fixture(scope="module")
-def ca() -> Any:
-    return trustme.CA()
 
 
 @pytest.fixture(scope="module")
@@ -740,15 +731,6 @@ def test_discover_explicit_errors_propagate(tmp_path: Path) -> None:
 # --- real TLS handshakes -----------------------------------------------------
 
 
-def _server_context(ca: Any, hostname: str, *, require_client_cert: bool) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(hostname).configure_cert(context)
-    if require_client_cert:
-        ca.configure_trust(context)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
 @dataclass
 class TlsServer:
     """A one-request-per-connection HTTPS server that answers with the client's name."""
@@ -811,7 +793,7 @@ async def test_client_certificate_handshake(
     tmp_path: Path, ca: Any, client_cert: Any, form: str
 ) -> None:
     with trio.fail_after(10):
-        context = _server_context(ca, "127.0.0.1", require_client_cert=True)
+        context = server_context(ca, client_certs=True, hostname="127.0.0.1")
         async with tls_server(context) as tls:
             server = f"https://127.0.0.1:{tls.port}"
             if form == "data":
@@ -841,7 +823,7 @@ async def test_client_certificate_handshake(
 
 async def test_tls_server_name(tmp_path: Path, ca: Any) -> None:
     # The certificate names the in-cluster service, the URL has an address.
-    context = _server_context(ca, "kubernetes.default.svc", require_client_cert=False)
+    context = server_context(ca, client_certs=False, hostname="kubernetes.default.svc")
     with trio.fail_after(10):
         async with tls_server(context) as tls:
             cluster = {
@@ -864,7 +846,7 @@ async def test_tls_server_name(tmp_path: Path, ca: Any) -> None:
 
 async def test_insecure_skip_tls_verify_handshake(tmp_path: Path) -> None:
     unknown_ca = trustme.CA()
-    context = _server_context(unknown_ca, "127.0.0.1", require_client_cert=False)
+    context = server_context(unknown_ca, client_certs=False, hostname="127.0.0.1")
     with trio.fail_after(10):
         async with tls_server(context) as tls:
             server = f"https://127.0.0.1:{tls.port}"

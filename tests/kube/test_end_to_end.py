@@ -4,7 +4,7 @@ The whole server runs as `jobsignal serve` does (`run_jobsignal` with a Config
 from `load_config`), reaching the emulator through a kubeconfig with a bearer
 token, so the real credential path is used. Clients are grpcio's blocking
 stubs in worker threads; health uses grpcio-health-checking out of process
-(see tests/grpcio_stubs.py). Real clock: grpclib and grpcio keep their own
+(see tests/support/grpcio_cli.py). Real clock: grpclib and grpcio keep their own
 time, so every wait is short, polled and bounded.
 """
 
@@ -17,11 +17,11 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
 
 from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.config import load_config
@@ -32,102 +32,50 @@ from jobsignal.sim.emulator import (
     ExpireWatch,
     KubeEmulator,
     Stall,
-    open_emulator,
 )
 from jobsignal.store.model import event_id
-
-from .helpers import (
-    Cluster,
+from tests.support.cluster import TOKEN, Cluster, expected_summary, hccl, write_kubeconfig
+from tests.support.events import (
     Event,
-    GrpcStream,
     assert_no_duplicates,
     assert_replays,
     by_job,
-    eventually,
-    expected_summary,
-    hccl,
-    in_thread,
     live_state,
-    write_kubeconfig,
+    wait_for_events,
 )
+from tests.support.grpcio import GrpcioClients, GrpcioStream, GrpcioStubs, cli_command, cli_env
+from tests.support.kube_server import open_kube_server, subscribe, target
+from tests.support.waiting import wait_until
 
-TOKEN = "e2e-bearer-token"
 
-
-@pytest.fixture
-async def emu() -> AsyncIterator[KubeEmulator]:
-    async with open_emulator(token=TOKEN) as emulator:
-        yield emulator
+class Watched(NamedTuple):
+    server: RunningJobsignal
+    stream: GrpcioStream  # a CCAgent's SubscribeJobSummarySignal
+    nursery: trio.Nursery
 
 
 @asynccontextmanager
-async def open_server(
-    emu: KubeEmulator, tmp_path: Path, **flags: str
-) -> AsyncIterator[RunningJobsignal]:
-    """`jobsignal serve --kubeconfig ...` on 127.0.0.1 and an ephemeral port."""
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emu.url, user={"token": TOKEN})
-    config = load_config(
-        {
-            "listen": "127.0.0.1:0",
-            "source": "kubernetes",
-            "kubeconfig": str(kubeconfig),
-            "shutdown_grace": "2",
-            **flags,
-        },
-        {},
-    )
-    raised: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        server: RunningJobsignal = await nursery.start(
-            functools.partial(run_jobsignal, config, environ={})
-        )
-        try:
-            yield server
-        except BaseException as exc:
-            raised = exc  # raised again below, not wrapped in the nursery's group
-        finally:
-            server.request_shutdown()
-            with trio.move_on_after(10):
-                await server.stopped.wait()
-            nursery.cancel_scope.cancel()
-    if raised is not None:
-        raise raised
+async def watched_by_a_client(
+    emu: KubeEmulator, tmp_path: Path, clients: GrpcioClients
+) -> AsyncIterator[Watched]:
+    """The server once its watch is open, and a grpcio client subscribed to it."""
+    async with (
+        trio.open_nursery() as nursery,
+        open_kube_server(emu, tmp_path, shutdown_grace="2") as server,
+    ):
+        with trio.fail_after(10):
+            await emu.wait_requests(1, "watch")
+        yield Watched(server, await subscribe(clients, server, nursery), nursery)
 
 
-def target(server: RunningJobsignal) -> str:
-    return f"127.0.0.1:{server.port}"
-
-
-async def subscribe(
-    clients: GrpcioClients,
-    server: RunningJobsignal,
-    nursery: trio.Nursery,
-    role: str = "CCAgent",
-    *,
-    as_list: bool = False,
-) -> GrpcStream:
-    """Register and subscribe with grpcio; returns once the server holds the stream."""
-    client = clients.connect(target(server))
-    client_id = await in_thread(client.register_id, role)
-    active = server._parts.registry.active_subscriptions()
-    call = (
-        client.subscribe_list(role, client_id, timeout=60)
-        if as_list
-        else client.subscribe(role, client_id, timeout=60)
-    )
-    stream = GrpcStream(call)
-    nursery.start_soon(stream.run)
-    await eventually(
-        lambda: server._parts.registry.active_subscriptions() == active + 1,
-        what="the subscription to be active",
-    )
-    return stream
+#: The server as a whole, the job service, and the Kubernetes source.
+HEALTH_SERVICES = ("", "job.Job", SOURCE_HEALTH_NAME)
 
 
 async def health(stubs: GrpcioStubs, server: RunningJobsignal) -> dict[str, str]:
     """grpc.health.v1 Check of the server, the job service and the source."""
     result = await trio.run_process(
-        cli_command("health", target(server), "", "job.Job", SOURCE_HEALTH_NAME),
+        cli_command("health", target(server), *HEALTH_SERVICES),
         env=cli_env(stubs),
         capture_stdout=True,
     )
@@ -135,15 +83,15 @@ async def health(stubs: GrpcioStubs, server: RunningJobsignal) -> dict[str, str]
     return decoded
 
 
-async def converged(stream: GrpcStream, cluster: Cluster, what: str) -> list[Event]:
+async def converged(stream: GrpcioStream, cluster: Cluster, what: str) -> list[Event]:
     """Wait until the grpcio subscriber holds exactly the cluster's live jobs."""
     expected = cluster.live()
-    return await stream.wait_for(
-        lambda events: live_state(events) == expected, what=what, timeout=15
+    return await wait_for_events(
+        stream, lambda events: live_state(events) == expected, what=what, within=15
     )
 
 
-async def settle(stream: GrpcStream, cluster: Cluster, marker: ClusterdJob) -> list[Event]:
+async def settle(stream: GrpcioStream, cluster: Cluster, marker: ClusterdJob) -> list[Event]:
     """Write a marker job and wait for it: every earlier event has arrived by then."""
     cluster.write(marker, "pending")
     events = await converged(stream, cluster, f"marker {marker.name}")
@@ -169,13 +117,9 @@ async def test_whole_lifecycle_of_a_job(
     emu: KubeEmulator, cluster: Cluster, grpc_clients: GrpcioClients, tmp_path: Path
 ) -> None:
     job = ClusterdJob("training", "resnet50", str(uuid.uuid4()), servers=2)
-    async with trio.open_nursery() as nursery, open_server(emu, tmp_path) as server:
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
-
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (_, stream, _):
         cluster.write(job, "pending")
-        (pending,) = await stream.wait_for(lambda e: len(e) == 1, what="pending")
+        (pending,) = await wait_for_events(stream, lambda e: len(e) == 1, what="pending")
         message = stream.messages[0]
         assert {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields} == {
             "uuid": pending.uuid,
@@ -196,7 +140,7 @@ async def test_whole_lifecycle_of_a_job(
         }
 
         cluster.write(job, "running")
-        events = await stream.wait_for(lambda e: len(e) == 2, what="running")
+        events = await wait_for_events(stream, lambda e: len(e) == 2, what="running")
         running = events[1].job
         assert running == expected_summary(job, "running")
         table = hccl(running)
@@ -204,9 +148,9 @@ async def test_whole_lifecycle_of_a_job(
         assert (table["status"], table["server_count"], table["total"]) == ("complete", "2", 16)
 
         cluster.write(job, "complete")
-        await stream.wait_for(lambda e: len(e) == 3, what="complete")
+        await wait_for_events(stream, lambda e: len(e) == 3, what="complete")
         cluster.write(job, "complete", "delete", 1_700_000_900)
-        events = await stream.wait_for(lambda e: len(e) == 4, what="delete")
+        events = await wait_for_events(stream, lambda e: len(e) == 4, what="delete")
         deleted = events[3].job
         assert (deleted.operator, deleted.delete_time) == ("delete", "1700000900")
 
@@ -241,16 +185,13 @@ async def test_multi_configmap_job_is_one_rank_table(
         extra_server_keys={"super_pod_id": "7", "host_ip": "10.9.9.9"},
     )
     assert job.configmap_count == 3
-    async with trio.open_nursery() as nursery, open_server(emu, tmp_path) as server:
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (server, stream, nursery):
         cluster.write(job, "pending")
         cluster.write(job, "running")
-        events = await stream.wait_for(lambda e: len(e) == 2, what="pending and running")
+        events = await wait_for_events(stream, lambda e: len(e) == 2, what="pending and running")
         # A snapshot subscriber gets the reassembled job too.
         snapshot = await subscribe(grpc_clients, server, nursery, "DefaultUser1", as_list=True)
-        await eventually(lambda: len(snapshot.messages) == 1, what="the snapshot batch")
+        await wait_until(lambda: len(snapshot.messages) == 1, what="the snapshot batch")
         events = await settle(stream, cluster, ClusterdJob("training", "marker", "uid-m"))
 
     pending, running = (event.job for event in events[:2])
@@ -272,10 +213,7 @@ async def test_hand_deleted_configmap_ends_the_job_once(
 ) -> None:
     job = ClusterdJob("training", "bert", str(uuid.uuid4()), servers=3, servers_per_configmap=2)
     single = ClusterdJob("training", "gpt", str(uuid.uuid4()))
-    async with trio.open_nursery() as nursery, open_server(emu, tmp_path) as server:
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (_, stream, _):
         cluster.write(job, "running")
         cluster.write(single, "running")
         await converged(stream, cluster, "two running jobs")
@@ -311,22 +249,14 @@ async def test_health_serving_after_the_first_list(
 ) -> None:
     cluster.write(ClusterdJob("training", "a", "uid-a"), "running")
     emu.faults.push(Stall(target="list"))  # the first LIST hangs half way
-    async with open_server(emu, tmp_path) as server:
+    async with open_kube_server(emu, tmp_path, shutdown_grace="2") as server:
         with trio.fail_after(10):
             await emu.wait_requests(1, "list")
-        assert await health(grpcio_stubs, server) == {
-            "": "NOT_SERVING",
-            "job.Job": "NOT_SERVING",
-            SOURCE_HEALTH_NAME: "NOT_SERVING",
-        }
+        assert await health(grpcio_stubs, server) == dict.fromkeys(HEALTH_SERVICES, "NOT_SERVING")
         emu.restart(lose_history=False)  # the stalled LIST breaks; the watcher lists again
         with trio.fail_after(10):
             await emu.wait_requests(1, "watch")
-        assert await health(grpcio_stubs, server) == {
-            "": "SERVING",
-            "job.Job": "SERVING",
-            SOURCE_HEALTH_NAME: "SERVING",
-        }
+        assert await health(grpcio_stubs, server) == dict.fromkeys(HEALTH_SERVICES, "SERVING")
         assert server.ready.is_set()
         assert server._parts.broadcaster.job_count() == 1
     assert emu.stats.list_requests == 2
@@ -350,13 +280,7 @@ async def test_faults_mid_lifecycle_leave_the_client_with_the_clusters_state(
     a = ClusterdJob("training", "a", "uid-a", servers=3, servers_per_configmap=2)
     b = ClusterdJob("training", "b", "uid-b")
     c = ClusterdJob("inference", "c", "uid-c", framework="mindspore")
-    async with (
-        trio.open_nursery() as nursery,
-        open_server(emu, tmp_path) as server,
-    ):
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (server, stream, _):
         cluster.write(a, "pending")
         cluster.write(b, "pending")
         await converged(stream, cluster, "two pending jobs")
@@ -405,13 +329,7 @@ async def test_grpc_client_sees_no_regression_after_a_dropped_watch(
     emu: KubeEmulator, cluster: Cluster, grpc_clients: GrpcioClients, tmp_path: Path
 ) -> None:
     a = ClusterdJob("training", "a", "uid-a")
-    async with (
-        trio.open_nursery() as nursery,
-        open_server(emu, tmp_path) as server,
-    ):
-        with trio.fail_after(10):
-            await emu.wait_requests(1, "watch")
-        stream = await subscribe(grpc_clients, server, nursery)
+    async with watched_by_a_client(emu, tmp_path, grpc_clients) as (_, stream, _):
         cluster.write(a, "pending")
         await converged(stream, cluster, "pending")
         await take_fault(emu, Drop(after_events=2))
@@ -427,7 +345,7 @@ async def test_grpc_client_sees_no_regression_after_a_dropped_watch(
 
 
 async def test_run_jobsignal_accepts_a_shutdown_event(emu: KubeEmulator, tmp_path: Path) -> None:
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emu.url, user={"token": TOKEN})
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emu.url)
     config = load_config({"listen": "127.0.0.1:0", "kubeconfig": str(kubeconfig)}, {})
     shutdown = trio.Event()
     crashed: list[BaseException] = []

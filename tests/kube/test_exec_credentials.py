@@ -6,12 +6,11 @@ it serves tokens and client certificates to the Kubernetes API emulator over
 127.0.0.1, directly or through a small HTTP proxy written here (CONNECT for
 https, absolute-URI forwarding for http). Caching by expiry runs in virtual
 time with a frozen `mock_clock` (the plugin process takes real time, which a
-frozen clock does not count); the plugin timeout with `autojump_clock`.
+frozen clock does not count), and so does the plugin timeout, jumped by hand.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import sys
@@ -40,9 +39,10 @@ from jobsignal.kube.exec_credentials import (
 )
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
-
-from .helpers import Cluster, write_kubeconfig
-from .test_kube_credentials_e2e import https_context, open_source
+from tests.support.cluster import Cluster, write_kubeconfig
+from tests.support.tls import b64, server_context, trusting
+from tests.support.waiting import wait_until
+from tests.support.watching import open_source
 
 PLUGIN = Path(__file__).with_name("fake_credential_plugin.py")
 V1 = "client.authentication.k8s.io/v1"
@@ -51,10 +51,6 @@ SECRET = "plugin-token-0001"
 JOB = ClusterdJob("training", "bert", "uid-bert")
 AGENT = f"jobsignal/{jobsignal.__version__}"
 TIMEOUT = httpx.Timeout(10.0)
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
 
 
 class Plugin:
@@ -104,11 +100,6 @@ class Plugin:
 @pytest.fixture
 def plugin(tmp_path: Path) -> Plugin:
     return Plugin(tmp_path / "plugin")
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
 
 
 def exec_connection(
@@ -293,15 +284,6 @@ async def test_concurrent_requests_share_one_run(tmp_path: Path, plugin: Plugin)
     assert len(plugin.calls()) == 1
 
 
-async def until_called(plugin: Plugin, runs: int) -> None:
-    """Wait, in real time (the clock is frozen), until the plugin has started `runs` times."""
-    for _ in range(2000):
-        if len(plugin.calls()) >= runs:
-            return
-        await trio.testing.wait_all_tasks_blocked(0.01)
-    raise AssertionError(f"the plugin did not run {runs} times")
-
-
 async def test_plugin_that_hangs_is_killed(
     mock_clock: trio.testing.MockClock, tmp_path: Path, plugin: Plugin
 ) -> None:
@@ -316,7 +298,7 @@ async def test_plugin_that_hangs_is_killed(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(fetch)
-        await until_called(plugin, 1)
+        await wait_until(lambda: len(plugin.calls()) >= 1, within=20, what="the plugin to run")
         mock_clock.jump(RUN_TIMEOUT - 1)
         await trio.testing.wait_all_tasks_blocked(0.05)
         assert errors == []  # still waiting for the plugin
@@ -560,6 +542,18 @@ async def open_api(connection: KubeConnection) -> AsyncIterator[KubeApi]:
         yield KubeApi(client, connection.token_source, read_timeout=30)
 
 
+@asynccontextmanager
+async def open_api_on_mutual_tls(
+    tmp_path: Path, plugin: Plugin, ca: trustme.CA
+) -> AsyncIterator[tuple[KubeEmulator, KubeApi]]:
+    """An emulator requiring client certificates from `ca`, and an API client that
+    gets its certificate from the plugin."""
+    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
+        connection = exec_connection(tmp_path, plugin, emu.url, cluster=trusting(ca))
+        async with open_api(connection) as api:
+            yield emu, api
+
+
 async def test_token_from_plugin_and_a_new_run_after_401(tmp_path: Path, plugin: Plugin) -> None:
     plugin.respond({"token": "token-1"}, {"token": "token-2"})
     async with open_emulator(token="token-1") as emu:
@@ -601,16 +595,9 @@ async def test_unusable_certificate_from_plugin_is_a_retryable_api_error(
     tmp_path: Path, plugin: Plugin, ca: trustme.CA
 ) -> None:
     plugin.respond(plugin.cert_files(ca.issue_cert("d"), "bad", chain=b"not a certificate"))
-    async with open_emulator(ssl_context=https_context(ca)) as emu:
-        connection = exec_connection(
-            tmp_path,
-            plugin,
-            emu.url,
-            cluster={"certificate-authority-data": b64(ca.cert_pem.bytes())},
-        )
-        async with open_api(connection) as api:
-            with pytest.raises(ApiUnavailable) as raised:
-                await api.list_page(None, {})
+    async with open_api_on_mutual_tls(tmp_path, plugin, ca) as (emu, api):
+        with pytest.raises(ApiUnavailable) as raised:
+            await api.list_page(None, {})
     assert str(raised.value) == (
         "LIST failed: no credentials: client certificate from exec plugin "
         f"{sys.executable!r} of user 'jobsignal' in kubeconfig {tmp_path}/config "
@@ -626,18 +613,11 @@ async def test_client_certificate_from_plugin_is_renewed_before_expiry(
         {**plugin.cert_files(ca.issue_cert("a", common_name="exec-one"), "one"), "expires_in": 600},
         {**plugin.cert_files(ca.issue_cert("b", common_name="exec-two"), "two"), "expires_in": 600},
     )
-    async with open_emulator(ssl_context=https_context(ca)) as emu:
-        connection = exec_connection(
-            tmp_path,
-            plugin,
-            emu.url,
-            cluster={"certificate-authority-data": b64(ca.cert_pem.bytes())},
-        )
-        async with open_api(connection) as api:
-            await api.list_page(None, {})
-            await api.list_page(None, {})
-            mock_clock.jump(590)
-            await api.list_page(None, {})
+    async with open_api_on_mutual_tls(tmp_path, plugin, ca) as (emu, api):
+        await api.list_page(None, {})
+        await api.list_page(None, {})
+        mock_clock.jump(590)
+        await api.list_page(None, {})
     assert [r.client_certificate for r in emu.requests] == ["exec-one", "exec-one", "exec-two"]
     assert {r.authorization for r in emu.requests} == {None}
     assert len(plugin.calls()) == 2
@@ -667,17 +647,21 @@ async def test_watcher_with_exec_client_certificate(
     tmp_path: Path, plugin: Plugin, ca: trustme.CA
 ) -> None:
     plugin.respond(plugin.cert_files(ca.issue_cert("c", common_name="exec-cert"), "c"))
-    async with open_emulator(ssl_context=https_context(ca)) as emu:
+    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
         cluster = Cluster(emu.state)
         cluster.write(JOB, "running")
         kubeconfig = write_kubeconfig(
             tmp_path / "config",
             emu.url,
             user={"exec": plugin.stanza()},
-            cluster={"certificate-authority-data": b64(ca.cert_pem.bytes())},
+            cluster=trusting(ca),
         )
         async with open_source(kubeconfig) as source:
             await source.holds(cluster)
+            # Stopped mid-handshake, httpcore would leave the WATCH's socket unclosed
+            # (its trio start_tls closes it on Exception, not on Cancelled).
+            with trio.fail_after(10):
+                await emu.wait_open_watches(1)
     assert {r.client_certificate for r in emu.requests} == {"exec-cert"}
     assert emu.stats.tls_handshake_failures == 0
 
@@ -809,7 +793,9 @@ async def test_proxy_url_tunnels_https(tmp_path: Path, plugin: Plugin, ca: trust
     # An exec plugin's token and client certificate, through CONNECT tunnels.
     client = ca.issue_cert("proxied", common_name="proxied")
     plugin.respond({"token": SECRET, **plugin.cert_files(client, "proxied")})
-    async with open_emulator(ssl_context=https_context(ca), token=SECRET) as emu:
+    async with open_emulator(
+        ssl_context=server_context(ca, client_certs=True), token=SECRET
+    ) as emu:
         cluster = Cluster(emu.state)
         cluster.write(JOB, "running")
         async with open_proxy() as proxy:
@@ -817,10 +803,7 @@ async def test_proxy_url_tunnels_https(tmp_path: Path, plugin: Plugin, ca: trust
                 tmp_path / "config",
                 emu.url,
                 user={"exec": plugin.stanza()},
-                cluster={
-                    "certificate-authority-data": b64(ca.cert_pem.bytes()),
-                    "proxy-url": f"http://127.0.0.1:{proxy.port}",
-                },
+                cluster={**trusting(ca), "proxy-url": f"http://127.0.0.1:{proxy.port}"},
             )
             async with open_source(kubeconfig) as source:
                 await source.holds(cluster)

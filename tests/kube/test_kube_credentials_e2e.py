@@ -7,19 +7,18 @@ client certificates over HTTPS with a CA made here (trustme), token rotation
 (kubelet's symlink swap, and a token the API server stops accepting), and
 broken kubeconfigs, which must fail at start-up with one clear line.
 
-Virtual time (`autojump_clock`): the emulator, httpx, TLS (trio's in-memory
-SSL) and the watcher all run on trio's clock, in this thread.
+Virtual time on `io_clock` (real loopback sockets: see tests/conftest.py): the
+emulator, httpx, TLS (trio's in-memory SSL) and the watcher all run on trio's
+clock, in this thread.
 """
 
 from __future__ import annotations
 
-import base64
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 import pytest
 import trio
@@ -27,103 +26,51 @@ import trio.testing
 import trustme
 
 import jobsignal
-from jobsignal.app import choose_connection, run_source
+from jobsignal.app import choose_connection
 from jobsignal.config import ConfigError, load_config
-from jobsignal.fanout import Broadcaster
-from jobsignal.kube.watcher import Watcher
 from jobsignal.sim.clusterd import ClusterdJob
-from jobsignal.sim.emulator import open_emulator
-from jobsignal.status import SourceStatus
-from jobsignal.store import JobStore
-
-from .helpers import Cluster, SignalLog, eventually, write_kubeconfig
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from tests.support.cluster import Cluster, write_kubeconfig
+from tests.support.tls import b64, server_context, trusting
+from tests.support.waiting import wait_until
+from tests.support.watching import Source, open_source
 
 TOKEN = "kubeconfig-token-0001"
 JOB = ClusterdJob("training", "resnet", "uid-resnet")
 
 
-@dataclass
-class Source:
-    """A running `run_source`, observed through a Broadcaster subscriber."""
-
-    store: JobStore
-    broadcaster: Broadcaster
-    status: SourceStatus
-    log: SignalLog
-    watcher: Watcher
-    #: Exceptions that ended run_source (it must never end on its own).
-    crashes: list[BaseException] = field(default_factory=list)
-
-    async def holds(self, cluster: Cluster, timeout: float = 30.0) -> None:
-        expected = cluster.live()
-        await self.log.wait(lambda: self.log.live() == expected, timeout=timeout, what="jobs")
-
-
-@asynccontextmanager
-async def open_source(
-    kubeconfig: Path, *, tolerate_crash: bool = False, **flags: str
-) -> AsyncIterator[Source]:
-    """run_source on the cluster a kubeconfig names, as `jobsignal serve` would."""
-    config = load_config(
-        {"kubeconfig": str(kubeconfig), "source": "kubernetes", **flags},
-        {},
-    )
-    connection = choose_connection(config, {})
-    assert connection is not None
-    store, broadcaster, status = JobStore(), Broadcaster(), SourceStatus()
-    log = SignalLog(broadcaster)
-    crashes: list[BaseException] = []
-
-    async def guarded(task_status: trio.TaskStatus[Watcher]) -> None:
-        try:
-            await run_source(
-                config, connection, store, broadcaster, status, task_status=task_status
-            )
-        except Exception as exc:
-            crashes.append(exc)
-            if not tolerate_crash:
-                raise
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(log.run)
-        watcher: Watcher = await nursery.start(guarded)
-        yield Source(store, broadcaster, status, log, watcher, crashes)
-        nursery.cancel_scope.cancel()
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
 # -- bearer tokens ----------------------------------------------------------------------
 
 
-async def test_token_from_kubeconfig(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
+async def follows_the_job(source: Source, cluster: Cluster) -> None:
+    """The source turns ready holding `JOB`, and follows it to complete."""
+    with trio.fail_after(10):
+        await source.status.ready.wait()
+    await source.holds(cluster)
+    cluster.write(JOB, "complete")
+    await source.holds(cluster)
+
+
+async def test_token_from_kubeconfig(io_clock: trio.testing.MockClock, tmp_path: Path) -> None:
     async with open_emulator(token=TOKEN) as emu:
         cluster = Cluster(emu.state)
         cluster.write(JOB, "running")
         kubeconfig = write_kubeconfig(tmp_path / "config", emu.url, user={"token": TOKEN})
         async with open_source(kubeconfig) as source:
-            with trio.fail_after(10):
-                await source.status.ready.wait()
-            await source.holds(cluster)
-            cluster.write(JOB, "complete")
-            await source.holds(cluster)
+            await follows_the_job(source, cluster)
         assert {r.authorization for r in emu.requests} == {f"Bearer {TOKEN}"}
         assert {r.user_agent for r in emu.requests} == {f"jobsignal/{jobsignal.__version__}"}
         assert emu.stats.unauthorized == 0
 
 
 async def test_refused_token_keeps_the_source_unready_and_retrying(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     async with open_emulator(token=TOKEN) as emu:
         Cluster(emu.state).write(JOB, "running")
         kubeconfig = write_kubeconfig(tmp_path / "config", emu.url, user={"token": "wrong"})
         async with open_source(kubeconfig) as source:
-            await eventually(lambda: emu.stats.unauthorized >= 4, timeout=60)
+            await wait_until(lambda: emu.stats.unauthorized >= 4, within=60)
             assert not source.status.ready.is_set() and not source.status.in_sync
             assert "401" in source.status.problem
             assert "wrong" not in source.status.problem
@@ -131,9 +78,7 @@ async def test_refused_token_keeps_the_source_unready_and_retrying(
             assert source.watcher.counters.lists == 0
 
 
-async def test_token_file_from_kubeconfig(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
+async def test_token_file_from_kubeconfig(io_clock: trio.testing.MockClock, tmp_path: Path) -> None:
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "token").write_text(TOKEN + "\n")
     async with open_emulator(token=TOKEN) as emu:
@@ -151,24 +96,9 @@ async def test_token_file_from_kubeconfig(
 # -- client certificates over HTTPS --------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-def https_context(ca: trustme.CA) -> Any:
-    import ssl
-
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS: a client certificate is required
-    ca.configure_trust(context)
-    return context
-
-
 @pytest.mark.parametrize("form", ["data", "files"])
 async def test_client_certificate_over_https(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, form: str
+    io_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, form: str
 ) -> None:
     client = ca.issue_cert("jobsignal@example.test")
     ca_pem = ca.cert_pem.bytes()
@@ -183,17 +113,13 @@ async def test_client_certificate_over_https(
             (tmp_path / "pki" / name).write_bytes(pem)
         cluster_tls = {"certificate-authority": "pki/ca.crt"}
         user = {"client-certificate": "pki/client.crt", "client-key": "pki/client.key"}
-    async with open_emulator(ssl_context=https_context(ca)) as emu:
+    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
         assert emu.url.startswith("https://127.0.0.1:")
         cluster = Cluster(emu.state)
         cluster.write(JOB, "running")
         kubeconfig = write_kubeconfig(tmp_path / "config", emu.url, user=user, cluster=cluster_tls)
         async with open_source(kubeconfig) as source:
-            with trio.fail_after(10):
-                await source.status.ready.wait()
-            await source.holds(cluster)
-            cluster.write(JOB, "complete")
-            await source.holds(cluster)
+            await follows_the_job(source, cluster)
             assert source.watcher.counters.errors == 0
         assert emu.stats.tls_handshake_failures == 0
         assert {r.authorization for r in emu.requests} == {None}
@@ -201,10 +127,10 @@ async def test_client_certificate_over_https(
 
 @pytest.mark.parametrize("problem", ["no-client-certificate", "unknown-ca"])
 async def test_tls_refusals_keep_the_source_unready(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, problem: str
+    io_clock: trio.testing.MockClock, tmp_path: Path, ca: trustme.CA, problem: str
 ) -> None:
     if problem == "no-client-certificate":
-        cluster_tls = {"certificate-authority-data": b64(ca.cert_pem.bytes())}
+        cluster_tls = trusting(ca)
         user: dict[str, str] = {}
     else:
         other = trustme.CA()
@@ -214,16 +140,16 @@ async def test_tls_refusals_keep_the_source_unready(
             "client-certificate-data": b64(client.cert_chain_pems[0].bytes()),
             "client-key-data": b64(client.private_key_pem.bytes()),
         }
-    async with open_emulator(ssl_context=https_context(ca)) as emu:
+    async with open_emulator(ssl_context=server_context(ca, client_certs=True)) as emu:
         Cluster(emu.state).write(JOB, "running")
         kubeconfig = write_kubeconfig(tmp_path / "config", emu.url, user=user, cluster=cluster_tls)
         async with open_source(kubeconfig) as source:
-            await eventually(lambda: source.watcher.counters.errors >= 3, timeout=60)
+            await wait_until(lambda: source.watcher.counters.errors >= 3, within=60)
             assert not source.status.ready.is_set()
             assert source.broadcaster.job_count() == 0
             assert source.status.problem.startswith("LIST failed")
             if problem == "no-client-certificate":  # the emulator refused each handshake
-                await eventually(lambda: emu.stats.tls_handshake_failures >= 3)
+                await wait_until(lambda: emu.stats.tls_handshake_failures >= 3)
         assert emu.stats.list_requests == 0  # nothing got past the handshake
 
 
@@ -258,9 +184,17 @@ class ProjectedToken:
         os.replace(staging, self.root / "..data")
 
 
-async def test_token_rotation_after_401_recovers(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
+class Rotating(NamedTuple):
+    emu: KubeEmulator
+    cluster: Cluster
+    token: ProjectedToken
+    source: Source
+
+
+@asynccontextmanager
+async def watching_with_a_projected_token(tmp_path: Path) -> AsyncIterator[Rotating]:
+    """A source whose token file the kubelet projects ("token-generation-1"), its watch
+    open (timing out every 5 s) and the cluster's pending job held."""
     projected = ProjectedToken(tmp_path / "serviceaccount", "token-generation-1")
     async with open_emulator(token="token-generation-1") as emu:
         cluster = Cluster(emu.state)
@@ -272,47 +206,44 @@ async def test_token_rotation_after_401_recovers(
             with trio.fail_after(10):
                 await emu.wait_open_watches(1)
             await source.holds(cluster)
-            # The API server stops accepting the old token before the file changes.
-            emu.set_token("token-generation-2")
-            await eventually(lambda: emu.stats.unauthorized >= 1, timeout=30)
-            await eventually(lambda: not source.status.in_sync)
-            projected.rotate("token-generation-2")
-            cluster.write(JOB, "running")
-            await source.holds(cluster, timeout=60)
-            assert source.status.in_sync
-            assert source.watcher.counters.lists == 1  # the watch resumed: no relist
-        refused = [r for r in emu.requests if r.authorization == "Bearer token-generation-1"]
-        assert emu.stats.unauthorized == len(refused) - 2  # all but the first LIST and WATCH
-        assert emu.requests[-1].authorization == "Bearer token-generation-2"
+            yield Rotating(emu, cluster, projected, source)
+
+
+async def test_token_rotation_after_401_recovers(
+    io_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with watching_with_a_projected_token(tmp_path) as (emu, cluster, projected, source):
+        # The API server stops accepting the old token before the file changes.
+        emu.set_token("token-generation-2")
+        await wait_until(lambda: emu.stats.unauthorized >= 1, within=30)
+        await wait_until(lambda: not source.status.in_sync)
+        projected.rotate("token-generation-2")
+        cluster.write(JOB, "running")
+        await source.holds(cluster, timeout=60)
+        assert source.status.in_sync
+        assert source.watcher.counters.lists == 1  # the watch resumed: no relist
+    refused = [r for r in emu.requests if r.authorization == "Bearer token-generation-1"]
+    assert emu.stats.unauthorized == len(refused) - 2  # all but the first LIST and WATCH
+    assert emu.requests[-1].authorization == "Bearer token-generation-2"
 
 
 async def test_token_rotation_within_the_grace_period_needs_no_401(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
-    projected = ProjectedToken(tmp_path / "serviceaccount", "token-generation-1")
-    async with open_emulator(token="token-generation-1") as emu:
-        cluster = Cluster(emu.state)
-        cluster.write(JOB, "pending")
-        kubeconfig = write_kubeconfig(
-            tmp_path / "config", emu.url, user={"tokenFile": str(projected.path)}
-        )
-        async with open_source(kubeconfig, watch_timeout="5") as source:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
-            await source.holds(cluster)
-            projected.rotate("token-generation-2")
-            emu.set_token("token-generation-2", also_accept=["token-generation-1"])
-            watches = emu.stats.watch_requests
-            await eventually(lambda: emu.stats.watch_requests > watches, timeout=30)
-            emu.set_token("token-generation-2")  # the old token expires
-            cluster.write(JOB, "running")
-            await source.holds(cluster, timeout=30)
-        assert emu.stats.unauthorized == 0
-        assert emu.requests[-1].authorization == "Bearer token-generation-2"
+    async with watching_with_a_projected_token(tmp_path) as (emu, cluster, projected, source):
+        projected.rotate("token-generation-2")
+        emu.set_token("token-generation-2", also_accept=["token-generation-1"])
+        watches = emu.stats.watch_requests
+        await wait_until(lambda: emu.stats.watch_requests > watches, within=30)
+        emu.set_token("token-generation-2")  # the old token expires
+        cluster.write(JOB, "running")
+        await source.holds(cluster, timeout=30)
+    assert emu.stats.unauthorized == 0
+    assert emu.requests[-1].authorization == "Bearer token-generation-2"
 
 
 async def test_token_file_briefly_empty_is_retried_not_fatal(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("token-generation-1")

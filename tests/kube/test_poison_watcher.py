@@ -26,12 +26,14 @@ import jobsignal.store.configmap as configmap_module
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.kube import watcher as watcher_module
-from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.clusterd import JOB_LABELS
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from jobsignal.store import JobStore, JobSummary
 from jobsignal.store.jobs import Changes
-
-from .helpers import Cluster, eventually, expected_summary, open_watcher
+from tests.support.cluster import Cluster, expected_summary
+from tests.support.factories import clusterd_job
+from tests.support.waiting import wait_until
+from tests.support.watching import open_watcher
 
 
 def strict_loads(text: str) -> Any:
@@ -39,12 +41,6 @@ def strict_loads(text: str) -> Any:
         raise ValueError(f"not JSON: {literal}")
 
     return json.loads(text, parse_constant=refuse)
-
-
-def job(name: str, *, servers: int = 1, per_configmap: int = 1000) -> ClusterdJob:
-    return ClusterdJob(
-        "ns", name, f"uid-{name}", servers=servers, servers_per_configmap=per_configmap
-    )
 
 
 def create(emu: KubeEmulator, name: str, data: dict[str, str]) -> None:
@@ -55,8 +51,10 @@ def write_poison(emu: KubeEmulator, tag: str) -> dict[str, int]:
     """One poison job per kind (each name ending in `tag`); returns the expected reasons."""
     expected: Counter[str] = Counter()
 
-    def poison_table(name: str, old: str, new: str, reason: str, **kw: int) -> None:
-        bad = job(f"{name}-{tag}", **kw)
+    def poison_table(
+        name: str, old: str, new: str, reason: str, servers: int = 1, per_configmap: int = 1000
+    ) -> None:
+        bad = clusterd_job(f"{name}-{tag}", servers=servers, servers_per_configmap=per_configmap)
         for cm_name, data in bad.configmaps("running"):
             create(emu, cm_name, {**data, "hccl.json": data["hccl.json"].replace(old, new)})
             expected[reason] += 1
@@ -84,7 +82,7 @@ def write_poison(emu: KubeEmulator, tag: str) -> dict[str, int]:
         "bad-index": ("cm_index", "\u0661", "bad_index"),
     }
     for name, (key, value, reason) in fields.items():
-        cm_name, data = job(f"{name}-{tag}").configmaps("running")[0]
+        cm_name, data = clusterd_job(f"{name}-{tag}").configmaps("running")[0]
         create(emu, cm_name, {**data, key: value})
         expected[reason] += 1
     return dict(expected)
@@ -100,12 +98,15 @@ def assert_frames_deliverable(events: list[Any]) -> None:
 
 
 async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
-    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="jobsignal.kube.watcher")
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        good, split = job("good"), job("split", servers=3, per_configmap=2)
+        good, split = (
+            clusterd_job("good"),
+            clusterd_job("split", servers=3, servers_per_configmap=2),
+        )
         cluster.write(good, "running")
         cluster.write(split, "running")
         listed_reasons = write_poison(emu, "listed")
@@ -122,7 +123,7 @@ async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
             name, data = split.configmaps("complete")[1]
             emu.state.update_configmap("ns", name, data={**data, "hccl.json": "[NaN]"})
             cluster.write(good, "failed")
-            await harness.log.wait(
+            await wait_until(
                 lambda: (
                     harness.log.live().get(expected_summary(good, "failed").key)
                     == expected_summary(good, "failed")
@@ -152,28 +153,28 @@ async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
 
 
 async def test_rejection_logs_are_rate_limited_per_reason(
-    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="jobsignal.kube.watcher")
     async with open_emulator() as emu:
         for index in range(40):
-            name, data = job(f"nan-{index}").configmaps("running")[0]
+            name, data = clusterd_job(f"nan-{index}").configmaps("running")[0]
             create(emu, name, {**data, "hccl.json": "NaN"})
         async with open_watcher(emu) as harness:
             with trio.fail_after(10):
                 await harness.status.ready.wait()
             assert harness.store.rejected_total == {"hccl_json_not_strict": 40}
             await trio.sleep(61)  # the next window: one more line, with the summary
-            name, data = job("nan-late").configmaps("running")[0]
+            name, data = clusterd_job("nan-late").configmaps("running")[0]
             create(emu, name, {**data, "hccl.json": "NaN"})
-            await eventually(lambda: harness.store.rejected_total["hccl_json_not_strict"] == 41)
+            await wait_until(lambda: harness.store.rejected_total["hccl_json_not_strict"] == 41)
     messages = [r.getMessage() for r in caplog.records]
     assert sum("skipped ConfigMap" in m for m in messages) == 6
     assert any("35 similar messages suppressed" in m for m in messages)
 
 
 async def test_unexpected_error_applying_one_event_skips_only_that_event(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -187,20 +188,20 @@ async def test_unexpected_error_applying_one_event_skips_only_that_event(
     monkeypatch.setattr(JobStore, "apply", apply)
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a = job("a")
+        a = clusterd_job("a")
         cluster.write(a, "pending")
         async with open_watcher(emu) as harness:
             await harness.caught_up(cluster)
-            create(emu, *job("cursed").configmaps("running")[0])
+            create(emu, *clusterd_job("cursed").configmaps("running")[0])
             cluster.write(a, "running")
-            await harness.log.wait(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
+            await wait_until(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
             assert harness.watcher.counters.apply_errors == 1
             assert harness.watcher.counters.watches == 1  # the watch went on
     assert any("applying a ADDED event failed" in r.getMessage() for r in caplog.records)
 
 
 async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_failed(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -213,15 +214,15 @@ async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_fail
 
     monkeypatch.setattr("jobsignal.store.jobs.parse_slice", parse)
     async with open_emulator() as emu:
-        a = job("a")
+        a = clusterd_job("a")
         create(emu, *a.configmaps("running")[0])
-        create(emu, *job("cursed").configmaps("running")[0])
+        create(emu, *clusterd_job("cursed").configmaps("running")[0])
         async with open_watcher(emu) as harness:
             with trio.fail_after(10):
                 await harness.status.ready.wait()
             running = expected_summary(a, "running")
             assert harness.log.live() == {running.key: running} or not harness.log.events
-            await harness.log.wait(lambda: harness.log.live() == {running.key: running})
+            await wait_until(lambda: harness.log.live() == {running.key: running})
             assert harness.store.rejected_total == {"internal_error": 1}
     [line] = [r.getMessage() for r in caplog.records if "internal_error" in r.getMessage()]
     assert "ns/job-summary-cursed" in line and "KeyError" in line
@@ -229,7 +230,7 @@ async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_fail
 
 
 async def test_unencodable_event_is_dropped_and_the_watcher_goes_on(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The store never emits such an event now; inject a failing encoder to
@@ -244,13 +245,13 @@ async def test_unencodable_event_is_dropped_and_the_watcher_goes_on(
     monkeypatch.setattr("jobsignal.fanout.broadcaster.encode_signal", encode)
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, cursed = job("a"), job("cursed")
+        a, cursed = clusterd_job("a"), clusterd_job("cursed")
         cluster.write(a, "pending")
         async with open_watcher(emu) as harness:
             await harness.caught_up(cluster)
             cluster.write(cursed, "running")
             cluster.write(a, "running")
-            await harness.log.wait(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
+            await wait_until(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
             stats = harness.broadcaster.stats
             assert stats.events_dropped == {"publish": 1}
             # A snapshot subscriber now gets the jobs that can be sent.
@@ -296,7 +297,7 @@ async def test_broadcaster_drops_an_unencodable_event_in_publish_and_in_snapshot
 
 
 async def test_a_large_list_is_applied_with_checkpoints(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    io_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No more than about PARSE_SLICE characters parsed, COMMIT_SLICE ConfigMaps
     stored, nor SETTLE_SLICE slices settled, without letting another task run."""
@@ -331,7 +332,7 @@ async def test_a_large_list_is_applied_with_checkpoints(
             ticks += 1
 
     async with open_emulator() as emu:
-        jobs = [job(f"j{i}", servers=4) for i in range(2500)]
+        jobs = [clusterd_job(f"j{i}", servers=4) for i in range(2500)]
         for each in jobs:
             create(emu, *each.configmaps("running")[0])
         table_chars = len(jobs[0].configmaps("running")[0][1]["hccl.json"])

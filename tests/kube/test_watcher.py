@@ -8,15 +8,18 @@ subscriber receives, decoded; plus the watcher's counters and the requests the
 emulator recorded. After every fault: no lost change, no duplicate event, and
 the subscriber ends up holding exactly the cluster's state.
 
-All tests run in virtual time (`autojump_clock`): the emulator, httpx and the
-watcher all time themselves with trio's clock, and nothing here uses threads,
-so loopback I/O and timers interleave deterministically.
+All tests run in virtual time on `io_clock`: the emulator, httpx and the
+watcher all time themselves with trio's clock, nothing here uses threads, and
+the clock jumps only once loopback I/O has been still for a real moment
+(tests/conftest.py), so I/O and timers interleave deterministically.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -38,31 +41,11 @@ from jobsignal.sim.emulator import (
     open_emulator,
 )
 from jobsignal.status import SourceStatus
-
-from .helpers import (
-    SELECTOR,
-    WALL,
-    Cluster,
-    WatchHarness,
-    assert_no_duplicates,
-    assert_replays,
-    eventually,
-    expected_summary,
-    hccl,
-    open_watcher,
-)
-
-
-def job(
-    name: str, namespace: str = "ns", *, servers: int = 1, servers_per_configmap: int = 1000
-) -> ClusterdJob:
-    return ClusterdJob(
-        namespace,
-        name,
-        f"uid-{namespace}-{name}",
-        servers=servers,
-        servers_per_configmap=servers_per_configmap,
-    )
+from tests.support.cluster import SELECTOR, Cluster, expected_summary, hccl
+from tests.support.events import assert_no_duplicates, assert_replays
+from tests.support.factories import clusterd_job
+from tests.support.waiting import wait_until
+from tests.support.watching import WALL, WatchHarness, open_watcher
 
 
 def watches(emu: KubeEmulator) -> list[dict[str, str]]:
@@ -88,19 +71,18 @@ def check_faithful(harness: WatchHarness, cluster: Cluster, *, exact: bool) -> N
 
 
 async def test_list_then_watch_from_the_lists_version(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a"), job("b", servers=2)
+        a, b = clusterd_job("a"), clusterd_job("b", servers=2)
         cluster.write(a, "pending")
         cluster.write(b, "running")
         # The newest write is not selected: the LIST's version is newer than any item's.
         emu.state.create_configmap("ns", "unrelated", {"app": "other"}, {"k": "v"})
         list_version = str(emu.state.resource_version)
         async with open_watcher(emu, WatchSettings(watch_timeout=240)) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             counters = harness.watcher.counters
             assert (counters.lists, counters.watches, counters.errors) == (1, 1, 0)
@@ -124,10 +106,15 @@ async def test_list_then_watch_from_the_lists_version(
         ]
 
 
-async def test_paged_list_assembles_every_item(autojump_clock: trio.testing.MockClock) -> None:
+async def test_paged_list_assembles_every_item(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        jobs = [job("a"), job("big", servers=7, servers_per_configmap=2), job("c"), job("d")]
+        jobs = [
+            clusterd_job("a"),
+            clusterd_job("big", servers=7, servers_per_configmap=2),
+            clusterd_job("c"),
+            clusterd_job("d"),
+        ]
         for each in jobs:
             cluster.write(each, "running")
         assert len(emu.state) == 7
@@ -143,8 +130,7 @@ async def test_paged_list_assembles_every_item(autojump_clock: trio.testing.Mock
 
         settings = WatchSettings(page_size=2)
         async with open_watcher(emu, settings, on_response=write_between_pages) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             assert harness.watcher.counters.lists == 1
             assert harness.watcher.counters.events == 1
@@ -169,11 +155,11 @@ async def test_paged_list_assembles_every_item(autojump_clock: trio.testing.Mock
 
 
 async def test_clean_watch_end_resumes_from_the_last_version_without_relist(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator(bookmark_interval=60) as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a"), job("b")
+        a, b = clusterd_job("a"), clusterd_job("b")
         cluster.write(a, "pending")
         async with open_watcher(emu, WatchSettings(watch_timeout=5)) as harness:
             await harness.caught_up(cluster)
@@ -193,10 +179,10 @@ async def test_clean_watch_end_resumes_from_the_last_version_without_relist(
         assert versions[-1] == emu.state.resource_version
 
 
-async def test_bookmarks_advance_the_version(autojump_clock: trio.testing.MockClock) -> None:
+async def test_bookmarks_advance_the_version(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator(bookmark_interval=2) as emu:
         cluster = Cluster(emu.state)
-        a = job("a")
+        a = clusterd_job("a")
         cluster.write(a, "running")
         async with open_watcher(emu, WatchSettings(watch_timeout=10)) as harness:
             await harness.caught_up(cluster)
@@ -204,10 +190,10 @@ async def test_bookmarks_advance_the_version(autojump_clock: trio.testing.MockCl
             # Writes the selector filters out: no event, only bookmarks know of them.
             for i in range(5):
                 emu.state.create_configmap("ns", f"other-{i}", {"app": "x"}, {"i": str(i)})
-            await eventually(lambda: harness.watcher.counters.bookmarks >= 1)
+            await wait_until(lambda: harness.watcher.counters.bookmarks >= 1)
             # Forget all history: resuming from the last *event* would now be 410.
             emu.state.compact()
-            await eventually(lambda: len(watches(emu)) == 2, timeout=30)
+            await wait_until(lambda: len(watches(emu)) == 2, within=30)
             await trio.sleep(1)
             counters = harness.watcher.counters
             assert counters.events == 0
@@ -220,17 +206,16 @@ async def test_bookmarks_advance_the_version(autojump_clock: trio.testing.MockCl
 
 
 async def test_410_error_event_relists_and_emits_exactly_the_differences(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b, c, d, e = (job(name) for name in "abcde")
+        a, b, c, d, e = (clusterd_job(name) for name in "abcde")
         for each in (a, b, c, d):
             cluster.write(each, "running")
         emu.faults.push(ExpireWatch(after_events=1))
         async with open_watcher(emu) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             before = len(harness.log.events)
             # One burst: the watch delivers the first change, then says 410.
@@ -255,10 +240,10 @@ async def test_410_error_event_relists_and_emits_exactly_the_differences(
         check_faithful(harness, cluster, exact=True)
 
 
-async def test_plain_http_410_relists(autojump_clock: trio.testing.MockClock) -> None:
+async def test_plain_http_410_relists(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a"), job("b")
+        a, b = clusterd_job("a"), clusterd_job("b")
         cluster.write(a, "pending")
         cluster.write(b, "pending")
         wrote = False
@@ -271,8 +256,7 @@ async def test_plain_http_410_relists(autojump_clock: trio.testing.MockClock) ->
 
         emu.faults.push(HttpError(410, target="watch"))
         async with open_watcher(emu, on_response=write_after_list) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             cluster.write(b, "running")
             await harness.caught_up(cluster)
@@ -290,16 +274,16 @@ async def test_plain_http_410_relists(autojump_clock: trio.testing.MockClock) ->
 
 
 async def test_repeated_410_backs_off_between_relists(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        cluster.write(job("a"), "running")
+        cluster.write(clusterd_job("a"), "running")
         emu.faults.push(*[HttpError(410, target="watch")] * 6)
         async with open_watcher(emu, rng=lambda: 1.0) as harness:
-            await eventually(lambda: len(emu.faults) == 0, timeout=120)
+            await wait_until(lambda: len(emu.faults) == 0, within=120)
             # The initial LIST plus one relist per 410.
-            await eventually(lambda: harness.watcher.counters.lists == 7, timeout=120)
+            await wait_until(lambda: harness.watcher.counters.lists == 7, within=120)
             await harness.caught_up(cluster)
         # The first 410 relists at once; the next ones, with no progress in between,
         # should be spaced like any other error (0.8 s doubling, jitter down to half).
@@ -327,71 +311,71 @@ def burst(cluster: Cluster, a: ClusterdJob, b: ClusterdJob) -> None:
     cluster.write(b, "running")
 
 
-@pytest.mark.parametrize("fault", BROKEN_STREAMS.values(), ids=BROKEN_STREAMS.keys())
-async def test_broken_watch_rewatches_without_relist_loss_or_duplicates(
-    autojump_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
-) -> None:
+@asynccontextmanager
+async def caught_up_with_a_fault_ahead(
+    job: ClusterdJob, fault: Drop | Stall | MalformedLine
+) -> AsyncIterator[tuple[KubeEmulator, Cluster, WatchHarness]]:
+    """A watcher (90 s read timeout) caught up with `job` pending, `fault` queued."""
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a"), job("b", servers=3, servers_per_configmap=2)
-        cluster.write(a, "pending")
+        cluster.write(job, "pending")
         emu.faults.push(fault)
         async with open_watcher(emu, read_timeout=90.0) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
-            broken_at = trio.current_time()
-            cluster.write(a, "running")  # event 1
-            cluster.write(b, "pending")  # events 2 and 3: the fault falls between them
-            cluster.write(a, "complete")
-            await harness.caught_up(cluster, timeout=200)
-            waited = trio.current_time() - broken_at
-            counters = harness.watcher.counters
-            assert counters.errors == 1 and counters.watches == 2
-            assert counters.lists == 1 and counters.relists_after_gone == 0
-            assert harness.status.in_sync
-        check_faithful(harness, cluster, exact=True)
-        assert len(harness.log.events) == 4
-        # A silent stream is given up after the read timeout; the others at once.
-        # Either way the watcher then waits out one backoff step (0.6 s here).
-        assert waited == pytest.approx(90.6 if isinstance(fault, Stall) else 0.6, abs=0.05)
+            yield emu, cluster, harness
+
+
+@pytest.mark.parametrize("fault", BROKEN_STREAMS.values(), ids=BROKEN_STREAMS.keys())
+async def test_broken_watch_rewatches_without_relist_loss_or_duplicates(
+    io_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
+) -> None:
+    a, b = clusterd_job("a"), clusterd_job("b", servers=3, servers_per_configmap=2)
+    async with caught_up_with_a_fault_ahead(a, fault) as (_, cluster, harness):
+        broken_at = trio.current_time()
+        cluster.write(a, "running")  # event 1
+        cluster.write(b, "pending")  # events 2 and 3: the fault falls between them
+        cluster.write(a, "complete")
+        await harness.caught_up(cluster, timeout=200)
+        waited = trio.current_time() - broken_at
+        counters = harness.watcher.counters
+        assert counters.errors == 1 and counters.watches == 2
+        assert counters.lists == 1 and counters.relists_after_gone == 0
+        assert harness.status.in_sync
+    check_faithful(harness, cluster, exact=True)
+    assert len(harness.log.events) == 4
+    # A silent stream is given up after the read timeout; the others at once.
+    # Either way the watcher then waits out one backoff step (0.6 s here).
+    assert waited == pytest.approx(90.6 if isinstance(fault, Stall) else 0.6, abs=0.05)
 
 
 @pytest.mark.parametrize("fault", BROKEN_STREAMS.values(), ids=BROKEN_STREAMS.keys())
 async def test_broken_watch_resumes_after_the_last_event_it_delivered(
-    autojump_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
+    io_clock: trio.testing.MockClock, fault: Drop | Stall | MalformedLine
 ) -> None:
-    async with open_emulator() as emu:
-        cluster = Cluster(emu.state)
-        a = job("a")
-        cluster.write(a, "pending")
-        emu.faults.push(fault)
-        async with open_watcher(emu, read_timeout=90.0) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
-            await harness.caught_up(cluster)
-            cluster.write(a, "running")  # event 1
-            cluster.write(a, "complete")  # event 2, then the stream breaks
-            delivered = emu.state.resource_version
-            await harness.caught_up(cluster, timeout=200)
-            await eventually(lambda: len(watches(emu)) == 2, timeout=200)
-            await trio.sleep(1)
-        statuses = [(j.job_status, j.operator) for j in harness.log.jobs()]
-        assert statuses == [("pending", "add"), ("running", "add"), ("complete", "add")]
-        assert_no_duplicates(harness.log.events)
-        assert watches(emu)[1]["resourceVersion"] == str(delivered)
+    a = clusterd_job("a")
+    async with caught_up_with_a_fault_ahead(a, fault) as (emu, cluster, harness):
+        cluster.write(a, "running")  # event 1
+        cluster.write(a, "complete")  # event 2, then the stream breaks
+        delivered = emu.state.resource_version
+        await harness.caught_up(cluster, timeout=200)
+        await wait_until(lambda: len(watches(emu)) == 2, within=200)
+        await trio.sleep(1)
+    statuses = [(j.job_status, j.operator) for j in harness.log.jobs()]
+    assert statuses == [("pending", "add"), ("running", "add"), ("complete", "add")]
+    assert_no_duplicates(harness.log.events)
+    assert watches(emu)[1]["resourceVersion"] == str(delivered)
 
 
 async def test_lines_split_over_reads_are_reassembled(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b = job("a", servers=5), job("b")
+        a, b = clusterd_job("a", servers=5), clusterd_job("b")
         emu.faults.push(SplitLines())
         async with open_watcher(emu) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             burst(cluster, a, b)
             await harness.caught_up(cluster)
             assert harness.watcher.counters.errors == 0
@@ -400,11 +384,11 @@ async def test_lines_split_over_reads_are_reassembled(
 
 
 async def test_quiet_watch_with_bookmarks_is_not_restarted(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator(bookmark_interval=60) as emu:
         cluster = Cluster(emu.state)
-        cluster.write(job("a"), "running")
+        cluster.write(clusterd_job("a"), "running")
         async with open_watcher(emu, WatchSettings(watch_timeout=600), read_timeout=90) as h:
             await h.caught_up(cluster)
             await trio.sleep(500)  # nothing happens but bookmarks
@@ -424,11 +408,11 @@ async def record_status(status: SourceStatus, out: list[tuple[float, bool, bool]
 
 @pytest.mark.parametrize(("jitter", "factor"), [(1.0, 1.0), (0.0, 0.5)])
 async def test_server_errors_back_off_exponentially_up_to_30s(
-    autojump_clock: trio.testing.MockClock, jitter: float, factor: float
+    io_clock: trio.testing.MockClock, jitter: float, factor: float
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a = job("a")
+        a = clusterd_job("a")
         cluster.write(a, "pending")
         emu.faults.push(*[HttpError(500, target="list")] * 8)
         settings = WatchSettings(watch_timeout=5)
@@ -438,7 +422,7 @@ async def test_server_errors_back_off_exponentially_up_to_30s(
         ):
             seen: list[tuple[float, bool, bool]] = []
             nursery.start_soon(record_status, harness.status, seen)
-            await eventually(lambda: harness.watcher.counters.errors == 3)
+            await wait_until(lambda: harness.watcher.counters.errors == 3)
             assert not harness.status.ready.is_set() and not harness.status.in_sync
             assert "500" in harness.status.problem
             with trio.fail_after(200):
@@ -449,7 +433,7 @@ async def test_server_errors_back_off_exponentially_up_to_30s(
             # Later errors (after the watch times out): out of sync meanwhile,
             # the last state still served.
             emu.faults.push(*[HttpError(503, target="watch")] * 3)
-            await eventually(lambda: harness.watcher.counters.errors == 11)
+            await wait_until(lambda: harness.watcher.counters.errors == 11)
             assert not harness.status.in_sync
             assert harness.broadcaster.job_count() == 1
             cluster.write(a, "running")
@@ -492,14 +476,14 @@ def test_backoff_delays_and_jitter() -> None:
 
 @pytest.mark.parametrize(("retry_after", "delay"), [(7, 7.0), (None, 0.6)])
 async def test_429_honours_retry_after(
-    autojump_clock: trio.testing.MockClock, retry_after: int | None, delay: float
+    io_clock: trio.testing.MockClock, retry_after: int | None, delay: float
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        cluster.write(job("a"), "running")
+        cluster.write(clusterd_job("a"), "running")
         emu.faults.push(HttpError(429, retry_after=retry_after, target="watch"))
         async with open_watcher(emu, rng=lambda: 0.5) as harness:
-            await eventually(lambda: len(watches(emu)) == 2, timeout=30)
+            await wait_until(lambda: len(watches(emu)) == 2, within=30)
             await harness.caught_up(cluster)
             assert harness.watcher.counters.errors == 1
         assert gaps(harness.sent_times("watch")) == pytest.approx([delay], abs=0.02)
@@ -537,24 +521,23 @@ def rewrite_in_place(path: Path, token: str) -> None:
 
 
 async def test_401_invalidates_the_credentials_and_recovers(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    io_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("token-1")
     tokens = SpyTokens(token_file)
     async with open_emulator(token="token-1") as emu:
         cluster = Cluster(emu.state)
-        a = job("a")
+        a = clusterd_job("a")
         cluster.write(a, "pending")
         settings = WatchSettings(watch_timeout=5)
         async with open_watcher(emu, settings, tokens=tokens, credentials=tokens) as harness:
-            with trio.fail_after(10):
-                await emu.wait_open_watches(1)
+            await harness.watch_open()
             await harness.caught_up(cluster)
             emu.set_token("token-2")  # open watches are not checked again
             rewrite_in_place(token_file, "token-2")
             # The watch times out, the next one is refused.
-            await eventually(lambda: harness.watcher.counters.errors == 1)
+            await wait_until(lambda: harness.watcher.counters.errors == 1)
             assert not harness.status.in_sync
             cluster.write(a, "running")
             await harness.caught_up(cluster, timeout=30)
@@ -575,9 +558,9 @@ async def test_401_invalidates_the_credentials_and_recovers(
 
 @pytest.mark.parametrize("drop_connections", [False, True], ids=["clean-end", "dropped"])
 async def test_api_server_restart_with_history_gap(
-    autojump_clock: trio.testing.MockClock, drop_connections: bool
+    io_clock: trio.testing.MockClock, drop_connections: bool
 ) -> None:
-    jobs = [job(f"job-{i}", servers=1 + i, servers_per_configmap=2) for i in range(6)]
+    jobs = [clusterd_job(f"job-{i}", servers=1 + i, servers_per_configmap=2) for i in range(6)]
     script = [("pending", each) for each in jobs[2:]] + [
         (step, each) for step in ("running", "complete", "delete", "remove") for each in jobs
     ]
@@ -585,7 +568,7 @@ async def test_api_server_restart_with_history_gap(
         cluster = Cluster(emu.state)
         for each in jobs[:2]:
             cluster.write(each, "pending")
-        survivor = job("survivor")
+        survivor = clusterd_job("survivor")
         cluster.write(survivor, "running")
         async with open_watcher(emu) as harness:
             await harness.caught_up(cluster)
@@ -616,11 +599,12 @@ async def test_api_server_restart_with_history_gap(
 
 
 async def test_namespaces_mode_watches_only_those_namespaces(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state, namespaces=("a", "b"))
-        in_a, in_b, in_c = job("x", "a"), job("y", "b"), job("z", "c")
+        in_a = clusterd_job("x", namespace="a")
+        in_b, in_c = clusterd_job("y", namespace="b"), clusterd_job("z", namespace="c")
         for each in (in_a, in_b, in_c):
             cluster.write(each, "pending")
         settings = WatchSettings(namespaces=("a", "b"))
@@ -637,7 +621,7 @@ async def test_namespaces_mode_watches_only_those_namespaces(
             cluster.write(in_c, "complete")
             emu.restart(lose_history=True)
             # b's relist changes nothing, so only the counter tells it happened.
-            await eventually(lambda: harness.watcher.counters.lists == 4)
+            await wait_until(lambda: harness.watcher.counters.lists == 4)
             await harness.caught_up(cluster)
         paths = {r.path for r in emu.requests}
         assert paths == {"/api/v1/namespaces/a/configmaps", "/api/v1/namespaces/b/configmaps"}
@@ -647,17 +631,17 @@ async def test_namespaces_mode_watches_only_those_namespaces(
 
 
 async def test_ready_only_after_the_first_list_of_every_namespace(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
         for name, namespace in (("x", "a"), ("y", "b"), ("z", "b")):
-            cluster.write(job(name, namespace), "running")
+            cluster.write(clusterd_job(name, namespace=namespace), "running")
         emu.faults.push(HttpError(503, target="list"))
         settings = WatchSettings(namespaces=("a", "b"))
         async with open_watcher(emu, settings) as harness:
             counters = harness.watcher.counters
-            await eventually(lambda: counters.lists == 1 and counters.errors == 1)
+            await wait_until(lambda: counters.lists == 1 and counters.errors == 1)
             assert not harness.status.ready.is_set()  # one namespace is still missing
             with trio.fail_after(10):
                 await harness.status.ready.wait()
@@ -667,10 +651,10 @@ async def test_ready_only_after_the_first_list_of_every_namespace(
             await harness.caught_up(cluster)
 
 
-async def test_not_ready_while_the_first_list_hangs(autojump_clock: trio.testing.MockClock) -> None:
+async def test_not_ready_while_the_first_list_hangs(io_clock: trio.testing.MockClock) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        cluster.write(job("a"), "running")
+        cluster.write(clusterd_job("a"), "running")
         emu.faults.push(Stall(target="list"))
         async with open_watcher(emu, read_timeout=90.0) as harness:
             await trio.sleep(60)
@@ -683,11 +667,15 @@ async def test_not_ready_while_the_first_list_hangs(autojump_clock: trio.testing
 
 
 async def test_label_selector_ignores_other_configmaps_and_a_removed_label_ends_the_job(
-    autojump_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_emulator() as emu:
         cluster = Cluster(emu.state)
-        a, b, stray = job("a", servers=3, servers_per_configmap=2), job("b"), job("stray")
+        a, b, stray = (
+            clusterd_job("a", servers=3, servers_per_configmap=2),
+            clusterd_job("b"),
+            clusterd_job("stray"),
+        )
         cluster.write(a, "running")
         cluster.write(b, "running")
         # Same data as a job's, but not labelled (or labelled otherwise): ignored.

@@ -6,11 +6,11 @@ import logging
 
 import grpc
 import pytest
-from grpcio_stubs import GrpcioClients
 
 from jobsignal.rpc.registry import Registry
-
-from . import in_thread, open_jobsignal_server, rpc_error
+from tests.support.grpc_server import open_jobsignal_server
+from tests.support.grpcio import GrpcioClients, rpc_error
+from tests.support.threads import in_thread
 
 
 async def test_an_unexpected_error_in_a_handler_is_internal_logged_and_counted(

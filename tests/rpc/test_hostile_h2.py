@@ -13,7 +13,6 @@ a test do: ignore SETTINGS, reset streams before they start, never read.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,7 +25,6 @@ import hpack
 import pytest
 import trio
 import trio.lowlevel
-from grpcio_stubs import GrpcioClients
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from hyperframe.frame import (
@@ -47,18 +45,18 @@ from jobsignal.rpc.guard import CONTROL_FLOOD, RAPID_RESET, ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
 from jobsignal.rpc.writer import WRITE_SLICE
-
-from . import (
+from tests.support.factories import make_job
+from tests.support.grpc_server import (
     ServerHarness,
-    StreamCollector,
+    collect_grpclib_garbage,
     count_writes,
-    in_thread,
     local_settings,
-    make_job,
     open_jobsignal_server,
-    wait_until,
 )
-from .test_limits import collect_grpclib_garbage
+from tests.support.grpcio import GrpcioClients, GrpcioStream
+from tests.support.h2_client import grpc_frame
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 WAIT = 10.0
@@ -77,8 +75,7 @@ def grpc_request_headers(port: int, path: str = "/job.Job/Register") -> list[tup
 
 
 def register_body(role: str = "CCAgent") -> bytes:
-    message = bytes(ClientInfo(role=role))
-    return b"\x00" + len(message).to_bytes(4, "big") + message
+    return grpc_frame(bytes(ClientInfo(role=role)))
 
 
 @dataclass
@@ -153,6 +150,31 @@ class RawPeer:
         await self.read_until(lambda p: stream_id in p.ended_streams())
         assert dict(self.headers[stream_id]).get("grpc-status") == "0"
 
+    async def register(self, stream_id: int, role: str = "CCAgent") -> str:
+        """Register on `stream_id` and read the reply: the clientId the server handed out."""
+        await self.send(
+            self.headers_frame(stream_id, grpc_request_headers(self.port)),
+            DataFrame(stream_id, register_body(role), flags=["END_STREAM"]),
+        )
+        await self.read_until(lambda p: stream_id in p.ended_streams())
+        reply = b"".join(self.data_frames(stream_id))
+        client_id: str = Status.parse(reply[5:]).client_id
+        return client_id
+
+    async def subscribe(self, stream_id: int, role: str, client_id: str) -> None:
+        """Open SubscribeJobSummarySignal on `stream_id`; its messages arrive as DATA."""
+        message = grpc_frame(bytes(ClientInfo(role=role, client_id=client_id)))
+        path = "/job.Job/SubscribeJobSummarySignal"
+        await self.send(
+            self.headers_frame(stream_id, grpc_request_headers(self.port, path)),
+            DataFrame(stream_id, message, flags=["END_STREAM"]),
+        )
+
+    def data_frames(self, stream_id: int) -> list[bytes]:
+        return [
+            f.data for f in self.frames if isinstance(f, DataFrame) and f.stream_id == stream_id
+        ]
+
     def goaway(self) -> GoAwayFrame | None:
         found = [f for f in self.frames if isinstance(f, GoAwayFrame)]
         return found[0] if found else None
@@ -194,6 +216,16 @@ def goaway_of(peer: RawPeer) -> tuple[int, bytes]:
     return frame.error_code, frame.additional_data
 
 
+async def assert_closed_with_goaway(
+    server: ServerHarness, peer: RawPeer, code: int, reason: str
+) -> None:
+    """The server sends GOAWAY `code` and then closes the connection, counted as `reason`."""
+    await peer.read_until(lambda p: False)
+    assert peer.closed
+    assert goaway_of(peer)[0] == code
+    assert server.connections.closed_by_server[reason] == 1
+
+
 def has_goaway(peer: RawPeer) -> bool:
     return peer.goaway() is not None
 
@@ -202,7 +234,7 @@ def has_goaway(peer: RawPeer) -> bool:
 class Healthy:
     """A grpcio subscriber that must get every event published during an attack."""
 
-    stream: StreamCollector
+    stream: GrpcioStream
     published: list[str] = field(default_factory=list)
 
     def publish(self, server: ServerHarness) -> None:
@@ -224,7 +256,7 @@ async def open_healthy(
 ) -> Healthy:
     client = clients.connect(server.target)
     client_id = await in_thread(client.register_id, HEALTHY_ROLE)
-    stream = StreamCollector(client.subscribe(HEALTHY_ROLE, client_id, timeout=120))
+    stream = GrpcioStream(client.subscribe(HEALTHY_ROLE, client_id, timeout=120))
     stream.start(nursery)
     await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
     return Healthy(stream)
@@ -458,11 +490,7 @@ async def test_a_protocol_error_gets_its_goaway_before_the_close() -> None:
         # 6.1); hyperframe refuses to build it, so here are its bytes: length 4,
         # type DATA, no flags, stream 0.
         await peer.send(b"\x00\x00\x04\x00\x00\x00\x00\x00\x00junk")
-        await peer.read_until(lambda p: False)
-        assert peer.closed
-        code, _ = goaway_of(peer)
-        assert code == ErrorCodes.PROTOCOL_ERROR
-        assert server.connections.closed_by_server["protocol_error"] == 1
+        await assert_closed_with_goaway(server, peer, ErrorCodes.PROTOCOL_ERROR, "protocol_error")
         await wait_until(lambda: len(server.connections) == 0, within=WAIT)
 
 
@@ -484,21 +512,8 @@ async def test_a_peer_that_never_reads_is_no_longer_read_then_closed(
             await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
             await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
             # Register over the raw connection, then subscribe with the id.
-            await peer.send(
-                peer.headers_frame(1, grpc_request_headers(server.port)),
-                DataFrame(1, register_body("DefaultUser1"), flags=["END_STREAM"]),
-            )
-            await peer.read_until(lambda p: 1 in p.ended_streams())
-            reply = [f for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == 1]
-            client_id = _client_id_of(b"".join(f.data for f in reply))
-            message = bytes(ClientInfo(role="DefaultUser1", client_id=client_id))
-            path = "/job.Job/SubscribeJobSummarySignal"
-            await peer.send(
-                peer.headers_frame(3, grpc_request_headers(server.port, path)),
-                DataFrame(
-                    3, b"\x00" + len(message).to_bytes(4, "big") + message, flags=["END_STREAM"]
-                ),
-            )
+            client_id = await peer.register(1, "DefaultUser1")
+            await peer.subscribe(3, "DefaultUser1", client_id)
             await wait_until(lambda: len(server.broadcaster.subscribers) == 2, within=WAIT)
             # From here on the peer reads nothing. Big events fill its socket.
             for i in range(40):
@@ -515,11 +530,6 @@ async def test_a_peer_that_never_reads_is_no_longer_read_then_closed(
         await healthy.assert_got_everything()
 
 
-def _client_id_of(grpc_frames: bytes) -> str:
-    client_id: str = Status.parse(grpc_frames[5:]).client_id
-    return client_id
-
-
 # -- header abuse ---------------------------------------------------------------------------------
 
 
@@ -534,12 +544,9 @@ async def test_an_hpack_bomb_ends_only_its_connection() -> None:
             frame = peer.headers_frame(1, first)
             frame.data += bytes([0xBE]) * 100  # indexed field 62: the "bomb" entry
             await peer.send(frame)
-            await peer.read_until(lambda p: False)
-            assert peer.closed
-            code, _ = goaway_of(peer)
             # h2 answers an oversized header list with ENHANCE_YOUR_CALM.
-            assert code == ErrorCodes.ENHANCE_YOUR_CALM
-            assert server.connections.closed_by_server["protocol_error"] == 1
+            calm = ErrorCodes.ENHANCE_YOUR_CALM
+            await assert_closed_with_goaway(server, peer, calm, "protocol_error")
         await wait_until(lambda: len(server.connections) == 0, within=WAIT)
         # The server goes on serving.
         async with raw_peer(server.port) as peer:
@@ -555,11 +562,7 @@ async def test_a_continuation_flood_ends_only_its_connection() -> None:
         continuations = [ContinuationFrame(1, b"") for _ in range(1000)]
         with contextlib.suppress(trio.BrokenResourceError):
             await peer.send(headers, *continuations)
-        await peer.read_until(lambda p: False)
-        assert peer.closed
-        code, _ = goaway_of(peer)
-        assert code == ErrorCodes.PROTOCOL_ERROR
-        assert server.connections.closed_by_server["protocol_error"] == 1
+        await assert_closed_with_goaway(server, peer, ErrorCodes.PROTOCOL_ERROR, "protocol_error")
 
 
 @pytest.mark.parametrize(
@@ -596,24 +599,17 @@ async def test_data_on_a_stream_the_server_closed_still_counts(
         await healthy.assert_got_everything()
 
 
+def _data_on(peer: RawPeer, stream_id: int) -> int:
+    return sum(len(data) for data in peer.data_frames(stream_id))
+
+
 async def test_a_large_message_is_written_one_slice_per_loop_turn() -> None:
     """With every window open, a 2 MB rank table still leaves the loop between slices."""
     settings = local_settings(session=SessionSettings(snapshot_roles=frozenset({"FdAgent"})))
     async with open_jobsignal_server(settings) as server, raw_peer(server.port) as peer:
         await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
         await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
-        await peer.send(
-            peer.headers_frame(1, grpc_request_headers(server.port)),
-            DataFrame(1, register_body("FdAgent"), flags=["END_STREAM"]),
-        )
-        await peer.read_until(lambda p: 1 in p.ended_streams())
-        reply = [f for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == 1]
-        message = bytes(ClientInfo(role="FdAgent", client_id=_client_id_of(reply[0].data)))
-        path = "/job.Job/SubscribeJobSummarySignal"
-        await peer.send(
-            peer.headers_frame(3, grpc_request_headers(server.port, path)),
-            DataFrame(3, b"\x00" + len(message).to_bytes(4, "big") + message, flags=["END_STREAM"]),
-        )
+        await peer.subscribe(3, "FdAgent", await peer.register(1, "FdAgent"))
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
         server.broadcaster.publish([make_job(1)])  # the response headers go out first
         await peer.read_until(lambda p: _data_on(p, 3) > 0)
@@ -631,12 +627,6 @@ async def test_a_large_message_is_written_one_slice_per_loop_turn() -> None:
         assert max(writes) < size // 2, writes
 
 
-def _data_on(peer: RawPeer, stream_id: int) -> int:
-    return sum(
-        len(f.data) for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == stream_id
-    )
-
-
 async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> None:
     """Two streams with a large message each, the connection's window opened a
     little at a time: both progress together; neither waits for the other's
@@ -644,25 +634,9 @@ async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> 
     async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
         # Stream windows wide open; the connection's own window stays at 64 KiB.
         await peer.handshake(initial_window_size=2**30)
-        ids = []
-        for stream_id in (1, 3):
-            await peer.send(
-                peer.headers_frame(stream_id, grpc_request_headers(server.port)),
-                DataFrame(stream_id, register_body(), flags=["END_STREAM"]),
-            )
-            await peer.read_until(functools.partial(_has_ended, stream_id=stream_id))
-            reply = [
-                f for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == stream_id
-            ]
-            ids.append(_client_id_of(reply[0].data))
-        path = "/job.Job/SubscribeJobSummarySignal"
+        ids = [await peer.register(stream_id) for stream_id in (1, 3)]
         for stream_id, client_id in zip((5, 7), ids, strict=True):
-            message = bytes(ClientInfo(role="CCAgent", client_id=client_id))
-            body = b"\x00" + len(message).to_bytes(4, "big") + message
-            await peer.send(
-                peer.headers_frame(stream_id, grpc_request_headers(server.port, path)),
-                DataFrame(stream_id, body, flags=["END_STREAM"]),
-            )
+            await peer.subscribe(stream_id, "CCAgent", client_id)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 2, within=WAIT)
         big = make_job(1, npus=4_000)  # about 290 KB to each stream
         server.broadcaster.publish([big])
@@ -675,7 +649,3 @@ async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> 
         got = {s: _data_on(peer, s) - start[s] for s in start}
         # Served in turn, 16 KiB a round: about half each (one stream first would get it all).
         assert min(got.values()) >= 96 * 1024, got
-
-
-def _has_ended(peer: RawPeer, *, stream_id: int) -> bool:
-    return stream_id in peer.ended_streams()

@@ -11,15 +11,9 @@ from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.registry import Refused, Registry
 from jobsignal.rpc.session import SendTimedOut, SessionSettings, StreamEnd, serve_subscription
-from jobsignal.store.model import JobSummary
+from tests.support.factories import make_job
 
 ROLE = "CCAgent"
-
-
-def job(job_id: str, status: str = "running") -> JobSummary:
-    return JobSummary(
-        "ns", job_id, f"name-{job_id}", "pytorch", status, "1", "1", "{}", "", "", "", "add", ""
-    )
 
 
 class Harness:
@@ -81,7 +75,7 @@ async def test_message_at_100s_moves_close_to_220s(autojump_clock: trio.testing.
     async with trio.open_nursery() as nursery:
         nursery.start_soon(harness.serve)
         await trio.sleep(100)
-        harness.broadcaster.publish([job("a")])
+        harness.broadcaster.publish([make_job(1)])
         await trio.sleep(119)
         assert harness.end is None, "closed before 220 s"
     assert harness.sent_at == [pytest.approx(start + 100)]
@@ -100,7 +94,7 @@ async def test_a_steady_stream_closes_exactly_120s_after_its_last_message(
         nursery.start_soon(harness.serve)
         for index in range(25):  # one every 37 s for over fifteen minutes
             await trio.sleep(37)
-            harness.broadcaster.publish([job(f"j{index}")])
+            harness.broadcaster.publish([make_job(index)])
             assert harness.end is None
         last_message = trio.current_time()
     assert len(harness.sent_at) == 25
@@ -168,7 +162,7 @@ async def test_a_send_that_times_out_ends_with_resource_exhausted(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(harness.serve)
         await trio.sleep(1)
-        harness.broadcaster.publish([job("a")])
+        harness.broadcaster.publish([make_job(1)])
     assert harness.end is not None
     assert harness.end.status is Status.RESOURCE_EXHAUSTED
     assert harness.ended_at == pytest.approx(start + 61)

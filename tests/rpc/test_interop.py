@@ -2,7 +2,7 @@
 
 Also health (NOT_SERVING until the first LIST), reflection, and graceful
 shutdown. Health and reflection use grpcio-health-checking and
-grpcio-reflection out of process (see tests/grpcio_stubs.py for why).
+grpcio-reflection out of process (see tests/support/grpcio_cli.py for why).
 """
 
 from __future__ import annotations
@@ -15,24 +15,28 @@ from typing import Any
 
 import grpc
 import trio
-from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
 
 from jobsignal.store.model import JobSummary, event_id
-
-from . import (
+from tests.support.factories import make_job
+from tests.support.grpc_server import (
     ROLES,
-    StreamCollector,
     count_writes,
-    expected_signal,
-    in_thread,
     local_settings,
-    make_job,
     make_registry,
     open_jobsignal_server,
+)
+from tests.support.grpcio import (
+    GrpcioClients,
+    GrpcioStream,
+    GrpcioStubs,
+    cli_command,
+    cli_env,
+    expected_signal,
     rpc_error,
     signal_fields,
-    wait_until,
 )
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
 BATCH_NPUS = 40_000  # docs/architecture.md section 2
 
@@ -110,8 +114,7 @@ async def test_subscribe_refusals_tell_the_client_what_to_do(
 
         cc_ids = [await in_thread(client.register_id, "CCAgent") for _ in range(3)]
         streams = [
-            StreamCollector(client.subscribe("CCAgent", cc_id)).start(nursery)
-            for cc_id in cc_ids[:2]
+            GrpcioStream(client.subscribe("CCAgent", cc_id)).start(nursery) for cc_id in cc_ids[:2]
         ]
         await wait_until(lambda: registry.active_subscriptions("CCAgent") == 2)
         limit = await rpc_error(lambda: list(client.subscribe("CCAgent", cc_ids[2])))
@@ -120,14 +123,14 @@ async def test_subscribe_refusals_tell_the_client_what_to_do(
 
         # The limit is per role, and a refusal does not burn the id: the
         # FdAgent id refused above for its role mismatch still subscribes.
-        StreamCollector(client.subscribe("FdAgent", fd_id)).start(nursery)
+        GrpcioStream(client.subscribe("FdAgent", fd_id)).start(nursery)
         await wait_until(lambda: registry.active_subscriptions("FdAgent") == 1)
 
         # Ending one CCAgent stream frees a slot for the refused id.
         streams[0].call.cancel()
         assert (await streams[0].wait_end())[0] == grpc.StatusCode.CANCELLED
         await wait_until(lambda: registry.active_subscriptions("CCAgent") == 1)
-        StreamCollector(client.subscribe("CCAgent", cc_ids[2])).start(nursery)
+        GrpcioStream(client.subscribe("CCAgent", cc_ids[2])).start(nursery)
         await wait_until(lambda: registry.active_subscriptions("CCAgent") == 2)
         assert len(server.broadcaster.subscribers) == 3
 
@@ -138,12 +141,12 @@ async def test_second_subscription_replaces_the_first_and_ids_are_single_use(
     async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
         client = grpc_clients.connect(server.target)
         client_id = await in_thread(client.register_id, "CCAgent")
-        first = StreamCollector(client.subscribe("CCAgent", client_id)).start(nursery)
+        first = GrpcioStream(client.subscribe("CCAgent", client_id)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
 
         # The same id again, as a client that reconnected on a new channel would.
         again = grpc_clients.connect(server.target)
-        second = StreamCollector(again.subscribe("CCAgent", client_id)).start(nursery)
+        second = GrpcioStream(again.subscribe("CCAgent", client_id)).start(nursery)
         code, details = await first.wait_end()
         assert code == grpc.StatusCode.ABORTED
         assert details is not None and "replaced" in details
@@ -191,10 +194,10 @@ async def test_every_event_reaches_every_subscriber_once_in_order(
         for _ in range(3):
             client = grpc_clients.connect(server.target)
             client_id = await in_thread(client.register_id, "CCAgent")
-            signal_streams.append(StreamCollector(client.subscribe("CCAgent", client_id)))
+            signal_streams.append(GrpcioStream(client.subscribe("CCAgent", client_id)))
         list_client = grpc_clients.connect(server.target)
         list_id = await in_thread(list_client.register_id, "DefaultUser1")
-        list_stream = StreamCollector(list_client.subscribe_list("DefaultUser1", list_id))
+        list_stream = GrpcioStream(list_client.subscribe_list("DefaultUser1", list_id))
         for stream in [*signal_streams, list_stream]:
             stream.start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 4)
@@ -251,8 +254,8 @@ async def test_snapshot_on_subscribe_for_fdagent_only(grpc_clients: GrpcioClient
         client = grpc_clients.connect(server.target)
         fd_id = await in_thread(client.register_id, "FdAgent")
         cc_id = await in_thread(client.register_id, "CCAgent")
-        fd = StreamCollector(client.subscribe("FdAgent", fd_id)).start(nursery)
-        cc = StreamCollector(client.subscribe("CCAgent", cc_id)).start(nursery)
+        fd = GrpcioStream(client.subscribe("FdAgent", fd_id)).start(nursery)
+        cc = GrpcioStream(client.subscribe("CCAgent", cc_id)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 2)
         marker = make_job(7)
         server.broadcaster.publish([marker])
@@ -304,7 +307,7 @@ async def test_list_stream_sends_snapshot_batches_then_live_changes(
         uuids = {entry.job.job_id: entry.uuid for entry in server.broadcaster.latest()}
         client = grpc_clients.connect(server.target, max_receive_message_length=64 << 20)
         client_id = await in_thread(client.register_id, "CCAgent")
-        stream = StreamCollector(client.subscribe_list("CCAgent", client_id)).start(nursery)
+        stream = GrpcioStream(client.subscribe_list("CCAgent", client_id)).start(nursery)
 
         def snapshot_jobs() -> int:
             return sum(len(batch.jobSummarySignals) for batch in stream.messages)
@@ -437,7 +440,7 @@ async def test_graceful_shutdown_ends_streams_and_frees_everything(
             client = grpc_clients.connect(server.target)
             client_id = await in_thread(client.register_id, role)
             call = (client.subscribe_list if as_list else client.subscribe)(role, client_id)
-            streams.append(StreamCollector(call).start(nursery))
+            streams.append(GrpcioStream(call).start(nursery))
         quiet = grpc_clients.connect(server.target)  # a connection without streams
         await in_thread(quiet.register_id, "DefaultUser2")
         await wait_until(lambda: len(server.broadcaster.subscribers) == 3)
@@ -468,7 +471,7 @@ async def test_graceful_shutdown_tells_every_stream_why(grpc_clients: GrpcioClie
         for _ in range(16):
             client = grpc_clients.connect(server.target)
             client_id = await in_thread(client.register_id, "CCAgent")
-            streams.append(StreamCollector(client.subscribe("CCAgent", client_id)).start(nursery))
+            streams.append(GrpcioStream(client.subscribe("CCAgent", client_id)).start(nursery))
         await wait_until(lambda: len(server.broadcaster.subscribers) == len(streams))
         await server.stop()
         ends = [await stream.wait_end() for stream in streams]
@@ -477,7 +480,7 @@ async def test_graceful_shutdown_tells_every_stream_why(grpc_clients: GrpcioClie
     assert not wrong, f"{len(wrong)} of {len(ends)} streams ended otherwise, e.g. {wrong[0]}"
 
 
-def received(stream: StreamCollector, count: int) -> bool:
+def received(stream: GrpcioStream, count: int) -> bool:
     return len(stream.messages) == count
 
 
@@ -486,7 +489,7 @@ async def test_ordinary_deliveries_take_the_direct_write_path(grpc_clients: Grpc
     async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
         client = grpc_clients.connect(server.target)
         client_id = await in_thread(client.register_id, "CCAgent")
-        stream = StreamCollector(client.subscribe("CCAgent", client_id)).start(nursery)
+        stream = GrpcioStream(client.subscribe("CCAgent", client_id)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
         for i in range(20):
             server.broadcaster.publish([make_job(i)])
@@ -506,9 +509,7 @@ async def test_a_publish_to_many_streams_of_one_connection_is_one_write(
         collectors = []
         for _ in range(streams):
             client_id = await in_thread(client.register_id, "CCAgent")
-            collectors.append(
-                StreamCollector(client.subscribe("CCAgent", client_id)).start(nursery)
-            )
+            collectors.append(GrpcioStream(client.subscribe("CCAgent", client_id)).start(nursery))
         await wait_until(lambda: len(server.broadcaster.subscribers) == streams)
         server.broadcaster.publish([make_job(0)])  # the response headers go out first
         await wait_until(lambda: all(len(c.messages) == 1 for c in collectors))
@@ -521,5 +522,5 @@ async def test_a_publish_to_many_streams_of_one_connection_is_one_write(
         assert len(writes) <= 10, writes
 
 
-def all_received(collectors: list[StreamCollector], count: int) -> bool:
+def all_received(collectors: list[GrpcioStream], count: int) -> bool:
     return all(len(c.messages) == count for c in collectors)

@@ -22,15 +22,16 @@ from typing import Any
 
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients, GrpcioStubs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import memory_profile
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
-
-from . import StreamCollector, in_thread, open_jobsignal_server, wait_until
+from tests.support.grpc_server import open_jobsignal_server
+from tests.support.grpcio import GrpcioClients, GrpcioStream, GrpcioStubs
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
 ROLE = "CCAgent"
 # Python allocations held per idle subscriber, one connection each: about
@@ -178,7 +179,7 @@ async def test_a_live_connections_containers_are_the_light_ones(
     async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
         client = grpc_clients.connect(server.target)
         client_id = await in_thread(client.register_id, ROLE)
-        stream = StreamCollector(client.subscribe(ROLE, client_id, timeout=60)).start(nursery)
+        stream = GrpcioStream(client.subscribe(ROLE, client_id, timeout=60)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1, what="the subscriber")
         (protocol,) = server.connections.protocols()
         # grpcio's SETTINGS named settings h2 had not seen: re-lightened after them.

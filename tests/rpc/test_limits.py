@@ -21,7 +21,7 @@ client, `ping_floods` counted) are asserted in test_pings.py; here a flooder
 only takes part in the memory rounds.
 
 Every grpcio channel opened here has a TCP connection of its own
-(`grpc.use_local_subchannel_pool`, see tests/grpcio_stubs.py), so "N
+(`grpc.use_local_subchannel_pool`, see tests/support/grpcio.py), so "N
 channels" really is N connections.
 """
 
@@ -38,37 +38,34 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import h2.config
-import h2.connection
-import h2.events
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients, GrpcioStubs, JobClient
-from grpclib._registry import servers as grpclib_servers
 
 from jobsignal.fanout import Broadcaster
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.connections import REFUSED_CONNECTION_LINGER, ObservedH2Protocol
 from jobsignal.rpc.limits import Limits
-
-from . import (
+from tests.support.factories import make_job
+from tests.support.grpc_server import (
     ServerHarness,
-    StreamCollector,
-    expected_signal,
-    in_thread,
+    collect_grpclib_garbage,
     local_settings,
-    make_job,
     make_registry,
     open_jobsignal_server,
+)
+from tests.support.grpcio import (
+    GrpcioClients,
+    GrpcioStream,
+    GrpcioStubs,
+    JobClient,
+    expected_signal,
     rpc_error,
     signal_fields,
-    wait_until,
 )
+from tests.support.h2_client import LOOPBACK, OTHER_LOOPBACK, raw_register
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
-LOOPBACK = "127.0.0.1"
-# Another loopback address: Linux routes all of 127.0.0.0/8 to `lo`, so a
-# socket bound to it reaches the server on 127.0.0.1 from a different address.
-OTHER_LOOPBACK = "127.0.0.2"
 GOOD_ROLE = "CCAgent"
 ABUSER_ROLE = "DefaultUser1"
 # Every wait ends as soon as its condition holds; the deadline only bounds a failure,
@@ -85,7 +82,7 @@ class GoodClient:
 
     client: JobClient
     client_id: str
-    stream: StreamCollector
+    stream: GrpcioStream
 
 
 async def open_good_client(
@@ -93,7 +90,7 @@ async def open_good_client(
 ) -> GoodClient:
     client = clients.connect(server.target)
     client_id = await in_thread(client.register_id, GOOD_ROLE)
-    stream = StreamCollector(client.subscribe(GOOD_ROLE, client_id, timeout=120)).start(nursery)
+    stream = GrpcioStream(client.subscribe(GOOD_ROLE, client_id, timeout=120)).start(nursery)
     await wait_until(
         lambda: any(s.client_id == client_id for s in server.broadcaster.subscribers),
         within=WAIT,
@@ -172,6 +169,15 @@ async def leave_and_check_empty(server: ServerHarness, good: GoodClient) -> None
     assert len(server.registry) == 0
 
 
+async def abusers_leave(server: ServerHarness, good: GoodClient, *abusers: JobClient) -> None:
+    """The abusive clients close: back to the good client alone, still served; then it
+    leaves too."""
+    await close_clients(*abusers)
+    await assert_back_to_baseline(server, live=1)
+    await assert_served(server, good)
+    await leave_and_check_empty(server, good)
+
+
 # -- small helpers ---------------------------------------------------------------------------
 
 
@@ -185,75 +191,33 @@ def subscribe_all(client: JobClient, role: str, client_id: str) -> Callable[[], 
     return lambda: list(client.subscribe(role, client_id, timeout=10))
 
 
-@dataclass
-class RawResponse:
-    grpc_status: int | None
-    grpc_message: str
-    data: bytes
-
-
-async def raw_register(
-    stubs: GrpcioStubs, port: int, *, source: str, role: str = GOOD_ROLE
-) -> RawResponse:
-    """Register over a socket bound to `source`: grpcio cannot pick its source address."""
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-    await sock.bind((source, 0))
-    await sock.connect((LOOPBACK, port))
-    stream = trio.SocketStream(sock)
-    try:
-        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
-        connection = h2.connection.H2Connection(config=config)
-        connection.initiate_connection()
-        stream_id = connection.get_next_available_stream_id()
-        connection.send_headers(
-            stream_id,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", "/job.Job/Register"),
-                (":authority", f"{LOOPBACK}:{port}"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ],
-        )
-        body = stubs.job_pb2.ClientInfo(role=role).SerializeToString()
-        frame = b"\x00" + len(body).to_bytes(4, "big") + body
-        connection.send_data(stream_id, frame, end_stream=True)
-        await stream.send_all(connection.data_to_send())
-        headers: dict[str, str] = {}
-        data = b""
-        ended = False
-        with trio.fail_after(10):
-            while not ended:
-                chunk = await stream.receive_some()
-                if not chunk:
-                    break
-                for event in connection.receive_data(chunk):
-                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                        headers.update((str(k), str(v)) for k, v in event.headers)
-                    elif isinstance(event, h2.events.DataReceived):
-                        data += event.data
-                        connection.acknowledge_received_data(
-                            event.flow_controlled_length, event.stream_id
-                        )
-                    elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
-                        ended = True
-                pending = connection.data_to_send()
-                if pending:
-                    await stream.send_all(pending)
-        status = headers.get("grpc-status")
-        return RawResponse(
-            None if status is None else int(status), headers.get("grpc-message", ""), data[5:]
-        )
-    finally:
-        await stream.aclose()
-
-
-def decode_status(stubs: GrpcioStubs, data: bytes) -> Any:
-    return stubs.job_pb2.Status.FromString(data)
-
-
 # -- connections -----------------------------------------------------------------------------
+
+
+async def connect_refused(
+    server: ServerHarness, clients: GrpcioClients, good: GoodClient, details: str
+) -> list[JobClient]:
+    """Three more connections, each refused with `details` while the good client is served."""
+    refused = [clients.connect(server.target) for _ in range(3)]
+    for client in refused:
+        code, got = await expect_refusal(functools.partial(client.register, ABUSER_ROLE))
+        assert (code, got) == (grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+        await assert_served(server, good)
+    return refused
+
+
+async def assert_room_again(
+    server: ServerHarness, clients: GrpcioClients, good: GoodClient, *gone: JobClient
+) -> None:
+    """Once `gone` have closed a newcomer is admitted and registered; then all leave."""
+    await close_clients(*gone)
+    await assert_back_to_baseline(server, live=1)
+    await assert_served(server, good)
+    newcomer = clients.connect(server.target)
+    assert (await in_thread(newcomer.register, ABUSER_ROLE)).code == 200
+    await close_clients(newcomer)
+    await assert_back_to_baseline(server, live=1)
+    await leave_and_check_empty(server, good)
 
 
 async def test_total_connection_limit(
@@ -268,28 +232,16 @@ async def test_total_connection_limit(
             assert (await in_thread(client.register, ABUSER_ROLE)).code == 200
         assert server_state(server)["connections"] == limit
 
-        refused = [grpc_clients.connect(server.target) for _ in range(3)]
-        for client in refused:
-            code, details = await expect_refusal(functools.partial(client.register, ABUSER_ROLE))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert details == f"too many connections to this server (limit {limit})"
-            await assert_served(server, good)
+        too_many = f"too many connections to this server (limit {limit})"
+        refused = await connect_refused(server, grpc_clients, good, too_many)
         # The total limit holds for every address.
-        other = await raw_register(grpcio_stubs, server.port, source=OTHER_LOOPBACK)
+        other = await raw_register(server.port, source=OTHER_LOOPBACK)
         assert other.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
         assert other.grpc_message == f"too many connections to this server (limit {limit})"
         assert server.connections.counter.refused == 4
         assert server.connections.counter.total == limit
 
-        await close_clients(*admitted, *refused)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        # Room again: a newcomer is admitted and registered.
-        newcomer = grpc_clients.connect(server.target)
-        assert (await in_thread(newcomer.register, ABUSER_ROLE)).code == 200
-        await close_clients(newcomer)
-        await assert_back_to_baseline(server, live=1)
-        await leave_and_check_empty(server, good)
+        await assert_room_again(server, grpc_clients, good, *admitted, *refused)
 
 
 async def test_connection_limit_per_address(
@@ -302,27 +254,16 @@ async def test_connection_limit_per_address(
         admitted = grpc_clients.connect(server.target)
         assert (await in_thread(admitted.register, ABUSER_ROLE)).code == 200
 
-        refused = [grpc_clients.connect(server.target) for _ in range(3)]
-        for client in refused:
-            code, details = await expect_refusal(functools.partial(client.register, ABUSER_ROLE))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert details == f"too many connections from {LOOPBACK} (limit {limit} per address)"
-            await assert_served(server, good)
+        too_many = f"too many connections from {LOOPBACK} (limit {limit} per address)"
+        refused = await connect_refused(server, grpc_clients, good, too_many)
         # Another address is not held to 127.0.0.1's count.
-        other = await raw_register(grpcio_stubs, server.port, source=OTHER_LOOPBACK)
+        other = await raw_register(server.port, source=OTHER_LOOPBACK)
         assert other.grpc_status == 0, other
-        reply = decode_status(grpcio_stubs, other.data)
+        reply = grpcio_stubs.job_pb2.Status.FromString(other.message)
         assert (reply.code, reply.info) == (200, "registration successful")
         assert server.connections.counter.refused == 3
 
-        await close_clients(admitted, *refused)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        newcomer = grpc_clients.connect(server.target)
-        assert (await in_thread(newcomer.register, ABUSER_ROLE)).code == 200
-        await close_clients(newcomer)
-        await assert_back_to_baseline(server, live=1)
-        await leave_and_check_empty(server, good)
+        await assert_room_again(server, grpc_clients, good, admitted, *refused)
 
 
 # -- streams per connection ------------------------------------------------------------------
@@ -339,11 +280,11 @@ async def test_concurrent_streams_per_connection_limit(grpc_clients: GrpcioClien
         abuser = grpc_clients.connect(server.target)
         ids = [await in_thread(abuser.register_id, ABUSER_ROLE) for _ in range(limit + 1)]
         streams = [
-            StreamCollector(abuser.subscribe(ABUSER_ROLE, client_id, timeout=60)).start(nursery)
+            GrpcioStream(abuser.subscribe(ABUSER_ROLE, client_id, timeout=60)).start(nursery)
             for client_id in ids[:limit]
         ]
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1 + limit, within=WAIT)
-        late = StreamCollector(abuser.subscribe(ABUSER_ROLE, ids[limit], timeout=60)).start(nursery)
+        late = GrpcioStream(abuser.subscribe(ABUSER_ROLE, ids[limit], timeout=60)).start(nursery)
         # The late call waits on the client: the server never sees it, nothing fails.
         with trio.move_on_after(0.5):
             await late.ended.wait()
@@ -365,10 +306,7 @@ async def test_concurrent_streams_per_connection_limit(grpc_clients: GrpcioClien
             lambda: len(late.messages) >= 1, what="the late stream's first event", within=WAIT
         )
 
-        await close_clients(abuser)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, abuser)
 
 
 # -- request rates ---------------------------------------------------------------------------
@@ -388,7 +326,7 @@ def subscribed(server: ServerHarness, client_id: str) -> bool:
     return any(s.client_id == client_id for s in server.broadcaster.subscribers)
 
 
-def started_or_refused(server: ServerHarness, stream: StreamCollector, client_id: str) -> bool:
+def started_or_refused(server: ServerHarness, stream: GrpcioStream, client_id: str) -> bool:
     return stream.ended.is_set() or subscribed(server, client_id)
 
 
@@ -407,12 +345,12 @@ async def register_until_refused(client: JobClient) -> tuple[list[str], tuple[An
 
 async def subscribe_until_refused(
     server: ServerHarness, client: JobClient, nursery: trio.Nursery
-) -> tuple[list[StreamCollector], tuple[Any, Any]]:
+) -> tuple[list[GrpcioStream], tuple[Any, Any]]:
     """Subscribe fresh ids until refused: the live streams, and the refusal's (code, details)."""
-    streams: list[StreamCollector] = []
+    streams: list[GrpcioStream] = []
     for _ in range(BURST + 5):
         client_id = await in_thread(client.register_id, ABUSER_ROLE)
-        stream = StreamCollector(client.subscribe(ABUSER_ROLE, client_id, timeout=60))
+        stream = GrpcioStream(client.subscribe(ABUSER_ROLE, client_id, timeout=60))
         stream.start(nursery)
         await wait_until(
             functools.partial(started_or_refused, server, stream, client_id),
@@ -439,7 +377,7 @@ async def test_register_rate_limit_refuses_then_refills(grpc_clients: GrpcioClie
         assert BURST <= 1 + len(ids) <= BURST + (refused_at - started) * RATE, len(ids)
         # A refused Register registers nothing; Subscribe has a bucket of its own.
         assert len(server.registry) == 1 + len(ids)
-        stream = StreamCollector(abuser.subscribe(ABUSER_ROLE, ids[0], timeout=60)).start(nursery)
+        stream = GrpcioStream(abuser.subscribe(ABUSER_ROLE, ids[0], timeout=60)).start(nursery)
         await wait_until(lambda: subscribed(server, ids[0]), within=WAIT)
         await assert_served(server, good)
 
@@ -451,10 +389,7 @@ async def test_register_rate_limit_refuses_then_refills(grpc_clients: GrpcioClie
         await assert_served(server, good)
         await wait_until(lambda: len(stream.messages) >= 2, within=WAIT)
 
-        await close_clients(abuser)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, abuser)
 
 
 async def test_subscribe_rate_limit_refuses_then_refills(grpc_clients: GrpcioClients) -> None:
@@ -480,10 +415,7 @@ async def test_subscribe_rate_limit_refuses_then_refills(grpc_clients: GrpcioCli
         await assert_served(server, good)
         await wait_until(lambda: all(len(s.messages) >= 1 for s in streams + more), within=WAIT)
 
-        await close_clients(abuser)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, abuser)
 
 
 # -- registered ids --------------------------------------------------------------------------
@@ -515,7 +447,7 @@ async def test_registered_ids_limit_answers_429_and_expires(grpc_clients: Grpcio
         assert server.registry.expired_total == len(ids)
         code, _ = await expect_refusal(subscribe_all(abuser, ABUSER_ROLE, ids[0]))
         assert code == grpc.StatusCode.FAILED_PRECONDITION
-        stream = StreamCollector(abuser.subscribe(ABUSER_ROLE, fresh, timeout=60)).start(nursery)
+        stream = GrpcioStream(abuser.subscribe(ABUSER_ROLE, fresh, timeout=60)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 2, within=WAIT)
         await assert_served(server, good)
         await wait_until(lambda: len(stream.messages) >= 1, within=WAIT)
@@ -568,10 +500,7 @@ async def test_request_size_limit(grpc_clients: GrpcioClients, grpcio_stubs: Grp
         assert (await in_thread(abuser.register, ABUSER_ROLE)).code == 200
         assert len(server.connections) == 2, "the abuser's connection is still in use"
 
-        await close_clients(abuser)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, abuser)
 
 
 # -- send size -------------------------------------------------------------------------------
@@ -587,7 +516,7 @@ async def test_send_size_limit_strips_rank_tables(grpc_clients: GrpcioClients) -
         good = await open_good_client(server, grpc_clients, nursery)
         lister = grpc_clients.connect(server.target)
         list_id = await in_thread(lister.register_id, ABUSER_ROLE)
-        lists = StreamCollector(lister.subscribe_list(ABUSER_ROLE, list_id, timeout=60))
+        lists = GrpcioStream(lister.subscribe_list(ABUSER_ROLE, list_id, timeout=60))
         lists.start(nursery)
         await lists.wait_for(1, within=WAIT)  # the (empty) snapshot
 
@@ -608,17 +537,14 @@ async def test_send_size_limit_strips_rank_tables(grpc_clients: GrpcioClients) -
         # A snapshot taken later carries the stripped event too.
         snapshot = grpc_clients.connect(server.target)
         snapshot_id = await in_thread(snapshot.register_id, "FdAgent")
-        fd_agent = StreamCollector(snapshot.subscribe("FdAgent", snapshot_id, timeout=60))
+        fd_agent = GrpcioStream(snapshot.subscribe("FdAgent", snapshot_id, timeout=60))
         fd_agent.start(nursery)
         got = {m.jobId: m.HcclJson for m in await fd_agent.wait_for(2, within=WAIT)}
         assert got == {big.job_id: "", small.job_id: small.hccl_json}
         await assert_served(server, good)
         assert not lists.ended.is_set() and not fd_agent.ended.is_set()
 
-        await close_clients(lister, snapshot)
-        await assert_back_to_baseline(server, live=1)
-        await assert_served(server, good)
-        await leave_and_check_empty(server, good)
+        await abusers_leave(server, good, lister, snapshot)
 
 
 async def test_default_send_limit_fits_default_grpc_clients(grpc_clients: GrpcioClients) -> None:
@@ -669,20 +595,6 @@ def live_protocols() -> int:
     return sum(1 for obj in gc.get_objects() if isinstance(obj, ObservedH2Protocol))
 
 
-def collect_grpclib_garbage() -> None:
-    """Let grpclib drop what it keeps of closed connections now.
-
-    grpclib forgets a closed connection's handler (with its finished request
-    tasks and streams) only at every tenth new connection, and a live
-    connection's finished tasks at every tenth request (grpclib.server._GC):
-    bounded, but it would blur a measurement of what the server really keeps.
-    """
-    for grpc_server in list(grpclib_servers):
-        grpc_server.__gc_collect__()
-        for handler in grpc_server._handlers:
-            handler.__gc_collect__()
-
-
 def traced_now() -> int:
     collect_grpclib_garbage()
     gc.collect()
@@ -712,7 +624,7 @@ async def abuse_round(server: ServerHarness, stubs: GrpcioStubs, good: GoodClien
             # A ping flooder, told off with GOAWAY while the rest goes on.
             flooder = clients.connect(server.target, **FLOOD_OPTIONS)
             flood_id = await in_thread(flooder.register_id, ABUSER_ROLE)
-            flooding = StreamCollector(flooder.subscribe(ABUSER_ROLE, flood_id, timeout=30))
+            flooding = GrpcioStream(flooder.subscribe(ABUSER_ROLE, flood_id, timeout=30))
             flooding.start(nursery)
 
             # As many streams as one connection may hold (the client queues more:
@@ -720,7 +632,7 @@ async def abuse_round(server: ServerHarness, stubs: GrpcioStubs, good: GoodClien
             streamer = clients.connect(server.target)
             ids = [await in_thread(streamer.register_id, ABUSER_ROLE) for _ in range(2)]
             streams = [
-                StreamCollector(streamer.subscribe(ABUSER_ROLE, i, timeout=30)).start(nursery)
+                GrpcioStream(streamer.subscribe(ABUSER_ROLE, i, timeout=30)).start(nursery)
                 for i in ids
             ]
             await wait_until(

@@ -5,12 +5,12 @@ from __future__ import annotations
 import socket
 
 import pytest
-from grpcio_stubs import GrpcioClients
 
 from jobsignal.config import ConfigError, load_config
 from jobsignal.rpc.server import ServerSettings
-
-from . import in_thread, local_settings, open_jobsignal_server
+from tests.support.grpc_server import local_settings, open_jobsignal_server
+from tests.support.grpcio import GrpcioClients
+from tests.support.threads import in_thread
 
 
 def test_listen_takes_several_addresses_and_every_address_form() -> None:

@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import grpc
 import trio
-from grpcio_stubs import GrpcioClients
 
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.session import SessionSettings
-
-from . import (
-    StreamCollector,
-    in_thread,
-    local_settings,
-    make_job,
-    open_jobsignal_server,
-    rpc_error,
-    wait_until,
-)
+from tests.support.factories import make_job
+from tests.support.grpc_server import local_settings, open_jobsignal_server
+from tests.support.grpcio import GrpcioClients, GrpcioStream, rpc_error
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
 KEEPALIVE = {
     "keepalive_time_ms": 1000,
@@ -43,7 +37,7 @@ async def test_client_keepalive_pings_are_seen_by_the_server(
     ):
         client = grpc_clients.connect(server.target, **KEEPALIVE)
         client_id = await in_thread(client.register_id, "CCAgent")
-        StreamCollector(client.subscribe("CCAgent", client_id)).start(nursery)
+        GrpcioStream(client.subscribe("CCAgent", client_id)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
         (protocol,) = server.connections.protocols()
         # The stream is quiet from here on: any further PING is keepalive.
@@ -68,8 +62,8 @@ async def test_idle_rule_spares_pinging_clients_and_closes_silent_ones(
         silent = grpc_clients.connect(server.target)
         pinging_id = await in_thread(pinging.register_id, "CCAgent")
         silent_id = await in_thread(silent.register_id, "CCAgent")
-        kept = StreamCollector(pinging.subscribe("CCAgent", pinging_id)).start(nursery)
-        dropped = StreamCollector(silent.subscribe("CCAgent", silent_id)).start(nursery)
+        kept = GrpcioStream(pinging.subscribe("CCAgent", pinging_id)).start(nursery)
+        dropped = GrpcioStream(silent.subscribe("CCAgent", silent_id)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 2)
         subscribed_at = trio.current_time()
         assert len(server.connections) == 2
@@ -110,8 +104,8 @@ async def test_ping_flood_gets_goaway_while_others_are_served(
         )
         polite_id = await in_thread(polite.register_id, "CCAgent")
         flooder_id = await in_thread(flooder.register_id, "FdAgent")
-        served = StreamCollector(polite.subscribe("CCAgent", polite_id)).start(nursery)
-        flooding = StreamCollector(flooder.subscribe("FdAgent", flooder_id)).start(nursery)
+        served = GrpcioStream(polite.subscribe("CCAgent", polite_id)).start(nursery)
+        flooding = GrpcioStream(flooder.subscribe("FdAgent", flooder_id)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 2)
 
         code, details = await flooding.wait_end(within=8)

@@ -14,34 +14,29 @@ import random
 import grpc
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients, GrpcioStubs
 from grpclib.const import Status
 
 from jobsignal.config import configure, defaults
 from jobsignal.rpc.registry import Claim, Refused, Registry, RegistryFull
-
-from . import ROLES, StreamCollector, in_thread, open_jobsignal_server, rpc_error, wait_until
-from .test_limits import LOOPBACK, OTHER_LOOPBACK, decode_status, raw_register
+from tests.support.grpc_server import ROLES, make_registry, open_jobsignal_server
+from tests.support.grpcio import GrpcioClients, GrpcioStream, GrpcioStubs, rpc_error
+from tests.support.h2_client import LOOPBACK, OTHER_LOOPBACK, raw_register
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
 A, B, C = "10.0.0.1", "10.0.0.2", "10.0.0.3"
 ROLE, OTHER_ROLE = "CCAgent", "FdAgent"
 TTL = 300.0
 
 
-def small_registry(
-    *,
-    pool: int = 8,
-    per_ip: int = 3,
-    slots: int = 4,
-    slots_per_ip: int = 2,
-) -> Registry:
-    return Registry(
-        roles=ROLES,
+def small_registry(*, pool: int, per_ip: int, slots: int = 4, slots_per_ip: int = 2) -> Registry:
+    """`pool` ids, `per_ip` pending per address; `slots` per role, `slots_per_ip` per address."""
+    return make_registry(
         max_registrations=pool,
-        max_subscriptions_per_role=slots,
-        ttl=TTL,
         max_registrations_per_ip=per_ip,
+        max_subscriptions_per_role=slots,
         max_subscriptions_per_role_per_ip=slots_per_ip,
+        ttl=TTL,
     )
 
 
@@ -265,12 +260,12 @@ async def test_register_past_the_address_share_answers_429(
             assert (refused.code, refused.clientId) == (429, "")
             assert refused.info == pending_message(LOOPBACK, share)
         # Another address registers as usual.
-        other = await raw_register(grpcio_stubs, server.port, source=OTHER_LOOPBACK)
+        other = await raw_register(server.port, source=OTHER_LOOPBACK)
         assert other.grpc_status == 0, other
-        assert decode_status(grpcio_stubs, other.data).code == 200
+        assert grpcio_stubs.job_pb2.Status.FromString(other.message).code == 200
         assert server.registry.pending_of(OTHER_LOOPBACK) == 1
         # Subscribing with a pending id gives 127.0.0.1 room for one more.
-        stream = StreamCollector(client.subscribe(ROLE, ids[0], timeout=30)).start(nursery)
+        stream = GrpcioStream(client.subscribe(ROLE, ids[0], timeout=30)).start(nursery)
         await wait_until(lambda: server.registry.pending_of(LOOPBACK) == share - 1)
         assert (await in_thread(client.register, ROLE)).code == 200
         stream.call.cancel()
@@ -288,7 +283,7 @@ async def test_subscribe_past_the_address_share_is_resource_exhausted(
         client = grpc_clients.connect(server.target)
         ids = [await in_thread(client.register_id, ROLE) for _ in range(share + 1)]
         streams = [
-            StreamCollector(client.subscribe(ROLE, client_id, timeout=30)).start(nursery)
+            GrpcioStream(client.subscribe(ROLE, client_id, timeout=30)).start(nursery)
             for client_id in ids[:share]
         ]
         await wait_until(lambda: server.registry.held_by(LOOPBACK, ROLE) == share)
@@ -297,15 +292,13 @@ async def test_subscribe_past_the_address_share_is_resource_exhausted(
         assert error.details() == share_message(LOOPBACK, share, ROLE, share)
         # Another role's slots are a share of their own.
         other_id = await in_thread(client.register_id, OTHER_ROLE)
-        other = StreamCollector(client.subscribe(OTHER_ROLE, other_id, timeout=30)).start(nursery)
+        other = GrpcioStream(client.subscribe(OTHER_ROLE, other_id, timeout=30)).start(nursery)
         await wait_until(lambda: server.registry.held_by(LOOPBACK, OTHER_ROLE) == 1)
         # Ending one stream frees the address's slot for the refused id.
         streams[0].call.cancel()
         assert (await streams[0].wait_end())[0] == grpc.StatusCode.CANCELLED
         await wait_until(lambda: server.registry.held_by(LOOPBACK, ROLE) == share - 1)
-        streams.append(
-            StreamCollector(client.subscribe(ROLE, ids[share], timeout=30)).start(nursery)
-        )
+        streams.append(GrpcioStream(client.subscribe(ROLE, ids[share], timeout=30)).start(nursery))
         await wait_until(lambda: server.registry.held_by(LOOPBACK, ROLE) == share)
         assert len(server.broadcaster.subscribers) == share + 1
         for stream in [*streams[1:], other]:

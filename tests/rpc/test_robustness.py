@@ -11,32 +11,31 @@ trio socket.
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import grpc
-import h2.config
-import h2.connection
-import h2.events
 import pytest
 import trio
-from grpcio_stubs import GrpcioClients, GrpcioStubs, cli_command, cli_env
 
 from jobsignal.fanout import Broadcaster, EndReason
-
-from . import (
+from tests.support.factories import make_job
+from tests.support.grpc_server import (
     ServerHarness,
-    StreamCollector,
-    in_thread,
     local_settings,
-    make_job,
     make_registry,
     open_jobsignal_server,
-    rpc_error,
-    wait_until,
 )
+from tests.support.grpcio import (
+    GrpcioClients,
+    GrpcioStream,
+    GrpcioStubs,
+    cli_command,
+    cli_env,
+    rpc_error,
+)
+from tests.support.h2_client import H2Client, client_info, grpc_frame
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
 # -- a stalled reader among many ----------------------------------------------------------
 
@@ -56,7 +55,7 @@ async def test_stalled_client_is_cut_off_without_delaying_the_others(
         for _ in range(normal_count):
             client = grpc_clients.connect(server.target)
             client_id = await in_thread(client.register_id, "CCAgent")
-            normal.append(StreamCollector(client.subscribe("CCAgent", client_id)).start(nursery))
+            normal.append(GrpcioStream(client.subscribe("CCAgent", client_id)).start(nursery))
         # Without BDP probing the stalled client's receive window stays at
         # 64 KiB, so a few 16 KiB messages fill it and the server's sends block.
         staller = grpc_clients.connect(server.target, http2__bdp_probe=0)
@@ -96,7 +95,7 @@ async def test_stalled_client_is_cut_off_without_delaying_the_others(
         assert len(broadcaster.subscribers) == normal_count
 
         # Draining now yields what was in flight, then RESOURCE_EXHAUSTED.
-        rest = StreamCollector(stalled_call).start(nursery)
+        rest = GrpcioStream(stalled_call).start(nursery)
         code, details = await rest.wait_end()
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert details is not None and "behind" in details, details
@@ -126,8 +125,8 @@ async def test_closed_channel_releases_its_subscriptions(grpc_clients: GrpcioCli
         client = grpc_clients.connect(server.target)
         signal_id = await in_thread(client.register_id, "CCAgent")
         list_id = await in_thread(client.register_id, "DefaultUser1")
-        signals = StreamCollector(client.subscribe("CCAgent", signal_id)).start(nursery)
-        lists = StreamCollector(client.subscribe_list("DefaultUser1", list_id)).start(nursery)
+        signals = GrpcioStream(client.subscribe("CCAgent", signal_id)).start(nursery)
+        lists = GrpcioStream(client.subscribe_list("DefaultUser1", list_id)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 2)
         server.broadcaster.publish([make_job(1)])
         await signals.wait_for(1)
@@ -184,146 +183,12 @@ async def test_killed_client_process_releases_its_subscription(
 # -- raw HTTP/2 ------------------------------------------------------------------------
 
 
-def grpc_frame(payload: bytes, *, compressed: bool = False, length: int | None = None) -> bytes:
-    """The gRPC length-prefixed message framing."""
-    size = len(payload) if length is None else length
-    return struct.pack(">?I", compressed, size) + payload
-
-
-@dataclass
-class H2Response:
-    headers: dict[str, str] = field(default_factory=dict)
-    trailers: dict[str, str] = field(default_factory=dict)
-    data: bytes = b""
-    reset: int | None = None
-    ended: bool = False
-
-    @property
-    def grpc_status(self) -> int | None:
-        value = self.trailers.get("grpc-status", self.headers.get("grpc-status"))
-        return None if value is None else int(value)
-
-    @property
-    def grpc_message(self) -> str:
-        return self.trailers.get("grpc-message", self.headers.get("grpc-message", ""))
-
-
-class H2Client:
-    """A minimal HTTP/2 client over a trio socket, for requests grpcio won't send."""
-
-    def __init__(self, stream: trio.SocketStream, authority: str) -> None:
-        self.stream = stream
-        self.authority = authority
-        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
-        self.connection = h2.connection.H2Connection(config=config)
-        self.responses: dict[int, H2Response] = {}
-
-    @classmethod
-    async def connect(cls, port: int) -> H2Client:
-        client = cls(await trio.open_tcp_stream("127.0.0.1", port), f"127.0.0.1:{port}")
-        client.connection.initiate_connection()
-        await client.flush()
-        return client
-
-    async def flush(self) -> None:
-        data = self.connection.data_to_send()
-        if data:
-            await self.stream.send_all(data)
-
-    async def request(
-        self,
-        path: str,
-        body: bytes | None,
-        *,
-        content_type: str = "application/grpc",
-        end_stream: bool = True,
-    ) -> int:
-        stream_id: int = self.connection.get_next_available_stream_id()
-        headers = [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", path),
-            (":authority", self.authority),
-            ("content-type", content_type),
-            ("te", "trailers"),
-        ]
-        self.connection.send_headers(stream_id, headers, end_stream=body is None and end_stream)
-        if body is not None:
-            size = self.connection.max_outbound_frame_size
-            chunks = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
-            for index, chunk in enumerate(chunks):
-                last = index == len(chunks) - 1
-                self.connection.send_data(stream_id, chunk, end_stream=end_stream and last)
-        self.responses[stream_id] = H2Response()
-        await self.flush()
-        return stream_id
-
-    async def response(self, stream_id: int) -> H2Response:
-        """Read until the stream ends or is reset (the caller bounds the wait)."""
-        response = self.responses[stream_id]
-        while not response.ended and response.reset is None:
-            data = await self.stream.receive_some()
-            if not data:
-                raise AssertionError("server closed the connection")
-            for event in self.connection.receive_data(data):
-                self._handle(event)
-            await self.flush()
-        return response
-
-    def _handle(self, event: h2.events.Event) -> None:
-        stream_id = getattr(event, "stream_id", None)
-        response = self.responses.get(stream_id) if stream_id else None
-        if response is None:
-            return
-        if isinstance(event, h2.events.ResponseReceived):
-            response.headers = dict(_text_headers(event.headers))
-        elif isinstance(event, h2.events.TrailersReceived):
-            response.trailers = dict(_text_headers(event.headers))
-        elif isinstance(event, h2.events.DataReceived):
-            response.data += event.data
-            self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-        elif isinstance(event, h2.events.StreamEnded):
-            response.ended = True
-        elif isinstance(event, h2.events.StreamReset):
-            response.reset = event.error_code
-
-    async def call(
-        self, path: str, body: bytes | None, *, content_type: str = "application/grpc"
-    ) -> H2Response:
-        stream_id = await self.request(path, body, content_type=content_type)
-        with trio.fail_after(5):
-            return await self.response(stream_id)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-def _text_headers(headers: Sequence[tuple[bytes | str, bytes | str]]) -> list[tuple[str, str]]:
-    return [
-        (
-            name.decode() if isinstance(name, bytes) else name,
-            value.decode() if isinstance(value, bytes) else value,
-        )
-        for name, value in headers
-    ]
-
-
 async def assert_still_serving(server: ServerHarness, grpc_clients: GrpcioClients) -> None:
     """A well-behaved grpcio client is served, and no stray connection lingers."""
     client = grpc_clients.connect(server.target)
     assert (await in_thread(client.register, "CCAgent")).code == 200
     await in_thread(client.close)
     await wait_until(lambda: len(server.connections) == 0, what="connections closed")
-
-
-def client_info(role: str = "", client_id: str = "") -> bytes:
-    """ClientInfo encoded by hand (field 1 role, field 3 clientId)."""
-    out = b""
-    for tag, value in ((0x0A, role), (0x1A, client_id)):
-        if value:
-            raw = value.encode()
-            out += bytes([tag, len(raw)]) + raw
-    return out
 
 
 async def test_garbage_instead_of_the_http2_preface(grpc_clients: GrpcioClients) -> None:
@@ -356,55 +221,27 @@ async def test_silent_connection_is_closed_by_server_keepalive(
         await peer.aclose()
 
 
+GRPC = "application/grpc"
+REGISTER = "/job.Job/Register"
+SUBSCRIBE = "/job.Job/SubscribeJobSummarySignal"
+CC_AGENT = grpc_frame(client_info("CCAgent"))
+NOT_UTF8 = grpc_frame(b"\x0a\x02\xff\xfe")  # a role of two bytes that are not UTF-8
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+#: id: (path, body, content-type, HTTP status, grpc-status, words of grpc-message)
+MALFORMED: dict[str, tuple[str, bytes, str, str, int | None, str]] = {
+    "wrong-content-type": (REGISTER, CC_AGENT, "application/json", "415", None, "content-type"),
+    "register-invalid-utf8": (REGISTER, NOT_UTF8, GRPC, "200", INVALID, "ClientInfo"),
+    "subscribe-invalid-utf8": (SUBSCRIBE, NOT_UTF8, GRPC, "200", INVALID, "ClientInfo"),
+    "unknown-method": ("/job.Job/Unsubscribe", CC_AGENT, GRPC, "200", UNIMPLEMENTED, ""),
+    "unknown-service": ("/no.such.Service/Register", CC_AGENT, GRPC, "200", UNIMPLEMENTED, ""),
+}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "content_type", "want_status", "want_grpc_status", "want_message"),
-    [
-        pytest.param(
-            "/job.Job/Register",
-            grpc_frame(client_info("CCAgent")),
-            "application/json",
-            "415",
-            None,
-            "content-type",
-            id="wrong-content-type",
-        ),
-        pytest.param(
-            "/job.Job/Register",
-            grpc_frame(b"\x0a\x02\xff\xfe"),
-            "application/grpc",
-            "200",
-            grpc.StatusCode.INVALID_ARGUMENT.value[0],
-            "ClientInfo",
-            id="register-invalid-utf8",
-        ),
-        pytest.param(
-            "/job.Job/SubscribeJobSummarySignal",
-            grpc_frame(b"\x0a\x02\xff\xfe"),
-            "application/grpc",
-            "200",
-            grpc.StatusCode.INVALID_ARGUMENT.value[0],
-            "ClientInfo",
-            id="subscribe-invalid-utf8",
-        ),
-        pytest.param(
-            "/job.Job/Unsubscribe",
-            grpc_frame(client_info("CCAgent")),
-            "application/grpc",
-            "200",
-            grpc.StatusCode.UNIMPLEMENTED.value[0],
-            "",
-            id="unknown-method",
-        ),
-        pytest.param(
-            "/no.such.Service/Register",
-            grpc_frame(client_info("CCAgent")),
-            "application/grpc",
-            "200",
-            grpc.StatusCode.UNIMPLEMENTED.value[0],
-            "",
-            id="unknown-service",
-        ),
-    ],
+    MALFORMED.values(),
+    ids=MALFORMED.keys(),
 )
 async def test_malformed_request_gets_a_clear_answer(
     grpc_clients: GrpcioClients,

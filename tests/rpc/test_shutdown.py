@@ -9,21 +9,16 @@ import gc
 import warnings
 
 import trio
-from hyperframe.frame import DataFrame, WindowUpdateFrame
+from hyperframe.frame import WindowUpdateFrame
 
-from jobsignal._proto.job import ClientInfo
 from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
+from tests.support.factories import make_job
+from tests.support.grpc_server import ServerHarness, local_settings, open_jobsignal_server
+from tests.support.waiting import wait_until
 
-from . import ServerHarness, local_settings, make_job, open_jobsignal_server, wait_until
-from .test_hostile_h2 import (
-    RawPeer,
-    _client_id_of,
-    grpc_request_headers,
-    raw_peer,
-    register_body,
-)
+from .test_hostile_h2 import RawPeer, raw_peer
 
 WAIT = 10.0
 
@@ -61,18 +56,8 @@ async def subscribe_then_stop_reading(peer: RawPeer, server: ServerHarness) -> N
     events fill the socket, until the server can no longer write to it."""
     await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
     await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
-    await peer.send(
-        peer.headers_frame(1, grpc_request_headers(server.port)),
-        DataFrame(1, register_body("DefaultUser1"), flags=["END_STREAM"]),
-    )
-    await peer.read_until(lambda p: 1 in p.ended_streams())
-    reply = b"".join(f.data for f in peer.frames if isinstance(f, DataFrame) and f.stream_id == 1)
-    message = bytes(ClientInfo(role="DefaultUser1", client_id=_client_id_of(reply)))
-    path = "/job.Job/SubscribeJobSummarySignal"
-    await peer.send(
-        peer.headers_frame(3, grpc_request_headers(server.port, path)),
-        DataFrame(3, b"\x00" + len(message).to_bytes(4, "big") + message, flags=["END_STREAM"]),
-    )
+    client_id = await peer.register(1, "DefaultUser1")
+    await peer.subscribe(3, "DefaultUser1", client_id)
     await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
     (protocol,) = server.connections.protocols()
     for i in range(40):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import ssl
 from pathlib import Path
@@ -11,55 +12,14 @@ import grpc
 import pytest
 import trio
 import trustme
-from grpcio_stubs import GrpcioStubs
 
 from jobsignal.config import ConfigError, load_config
-from jobsignal.rpc.tls import TlsFiles
-
-from . import (
-    StreamCollector,
-    in_thread,
-    local_settings,
-    make_job,
-    open_jobsignal_server,
-    wait_until,
-)
-
-
-def write_pair(cert: trustme.LeafCert, directory: Path, name: str) -> tuple[Path, Path]:
-    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
-    cert.cert_chain_pems[0].write_to_path(str(cert_path))
-    for extra in cert.cert_chain_pems[1:]:
-        extra.write_to_path(str(cert_path), append=True)
-    cert.private_key_pem.write_to_path(str(key_path))
-    return cert_path, key_path
-
-
-class Pki:
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.server_ca = trustme.CA()
-        self.client_ca = trustme.CA()
-        self.server_cert, self.server_key = write_pair(
-            self.server_ca.issue_cert("localhost", "127.0.0.1"), directory, "server"
-        )
-        self.client_ca_path = directory / "client-ca.pem"
-        self.client_ca.cert_pem.write_to_path(str(self.client_ca_path))
-
-    def files(self, mutual: bool) -> TlsFiles:
-        return TlsFiles(self.server_cert, self.server_key, self.client_ca_path if mutual else None)
-
-    def credentials(self, client_ca: trustme.CA | None) -> Any:
-        chain = key = None
-        if client_ca is not None:
-            leaf = client_ca.issue_cert("client@example")
-            chain = b"".join(p.bytes() for p in leaf.cert_chain_pems)
-            key = leaf.private_key_pem.bytes()
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.server_ca.cert_pem.bytes(),
-            private_key=key,
-            certificate_chain=chain,
-        )
+from tests.support.factories import make_job
+from tests.support.grpc_server import local_settings, open_jobsignal_server
+from tests.support.grpcio import GrpcioStream, GrpcioStubs
+from tests.support.threads import in_thread
+from tests.support.tls import Pki, write_pair
+from tests.support.waiting import wait_until, wait_until_blocking
 
 
 def register(stubs: GrpcioStubs, port: int, credentials: Any) -> Any:
@@ -81,6 +41,21 @@ def served_certificate_serial(port: int, ca: trustme.CA) -> int:
     from cryptography import x509
 
     return x509.load_der_x509_certificate(der).serial_number
+
+
+async def rotated_serial(port: int, ca: trustme.CA, before: int) -> int:
+    """Wait until the server presents a certificate other than serial `before`; its serial."""
+    served: list[int] = []
+
+    def rotated() -> bool:
+        served.append(served_certificate_serial(port, ca))
+        return served[-1] != before
+
+    wait = functools.partial(
+        wait_until_blocking, rotated, within=5, what="the new certificate", interval=0.05
+    )
+    await in_thread(wait)
+    return served[-1]
 
 
 async def test_tls_serves_and_plain_text_is_refused(
@@ -130,18 +105,14 @@ async def test_certificate_rotation_keeps_live_streams(
             info = grpcio_stubs.job_pb2.ClientInfo
             reply = await in_thread(stub.Register, info(role="CCAgent"))
             call = stub.SubscribeJobSummarySignal(info(role="CCAgent", clientId=reply.clientId))
-            stream = StreamCollector(call).start(nursery)
+            stream = GrpcioStream(call).start(nursery)
             await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
             server.broadcaster.publish([make_job(1)])
             await stream.wait_for(1)
 
             # Rotate: a new server certificate written over the old files.
             write_pair(pki.server_ca.issue_cert("localhost", "127.0.0.1"), tmp_path, "server")
-            with trio.fail_after(5):
-                while (
-                    await in_thread(served_certificate_serial, server.port, pki.server_ca) == before
-                ):
-                    await trio.sleep(0.05)
+            await rotated_serial(server.port, pki.server_ca, before)
 
             server.broadcaster.publish([make_job(2)])
             [first, second] = await stream.wait_for(2)
@@ -171,10 +142,7 @@ async def test_a_broken_rotation_keeps_the_old_certificate(
         first = await served()
         good = pki.server_ca.issue_cert("localhost", "127.0.0.1")
         write_pair(good, tmp_path, "server")
-        with trio.fail_after(5):
-            while (serial := await served()) == first:
-                await trio.sleep(0.05)
-        assert serial == certificate_serial(good)
+        assert await rotated_serial(server.port, pki.server_ca, first) == certificate_serial(good)
 
         # A broken one: a key that does not load, then a new certificate (the key
         # first, so no moment has a loadable pair).

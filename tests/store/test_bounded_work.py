@@ -17,8 +17,7 @@ from typing import Any
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.store import JobStore
 from jobsignal.store.jobs import ADDED, MODIFIED
-
-from .test_jobs import configmap
+from tests.support.factories import configmap
 
 NOW = 1_800_000_000.0
 SLICES = 1024

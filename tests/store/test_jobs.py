@@ -7,18 +7,12 @@ from typing import Any
 
 import pytest
 
-from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.store import JobStore, jobs
 from jobsignal.store.jobs import ADDED, DELETED, MODIFIED
+from tests.support.factories import configmap
 
 NOW = 1_800_000_000.0
-
-
-def configmap(namespace: str, name: str, data: dict[str, str]) -> dict[str, Any]:
-    return {
-        "metadata": {"namespace": namespace, "name": name, "labels": dict(JOB_LABELS)},
-        "data": data,
-    }
 
 
 def write(

@@ -22,8 +22,7 @@ from jobsignal.store.configmap import (
     parse_slice,
 )
 from jobsignal.store.jobs import ADDED, MODIFIED
-
-from .test_jobs import configmap
+from tests.support.factories import configmap
 
 NOW = 1_800_000_000.0
 

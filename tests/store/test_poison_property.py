@@ -31,11 +31,11 @@ from hypothesis import strategies as st
 
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.sim.clusterd import JOB_LABELS
 from jobsignal.store import JobStore, JobSummary
 from jobsignal.store.configmap import SERVER_LIST_KEY, BadConfigMap, Slice, parse_slice
 from jobsignal.store.jobs import ADDED, DELETED, MODIFIED, JobSlices
 from jobsignal.store.strict_json import MAX_DEPTH
+from tests.support.factories import configmap
 
 NOW = 1_800_000_000.0
 
@@ -181,10 +181,6 @@ def configmap_data(draw: st.DrawFn, name: str, version: int | None = None) -> di
     return data
 
 
-def as_configmap(namespace: str, name: str, data: dict[str, str]) -> dict[str, Any]:
-    return {"metadata": {"namespace": namespace, "name": name, "labels": JOB_LABELS}, "data": data}
-
-
 @st.composite
 def step(draw: st.DrawFn) -> tuple[str, str, list[tuple[str, dict[str, str]]], int]:
     """(action, namespace, [(name, data)], settle budget)"""
@@ -273,7 +269,7 @@ async def _drive(steps: list[Any]) -> None:
             for name, data in writes:
                 ref = (namespace, name)
                 kind = MODIFIED if ref in cluster else ADDED
-                cluster[ref] = as_configmap(namespace, name, data)
+                cluster[ref] = configmap(namespace, name, data)
                 written += 1
                 publish(store.apply(kind, cluster[ref], NOW).events)
         elif action == "delete" and (namespace, writes[0][0]) in cluster:
@@ -369,7 +365,7 @@ def test_incremental_tallies_match_a_from_scratch_assembly(steps: list[Any]) -> 
         ref_name = name
         if add:
             try:
-                piece = parse_slice(as_configmap("ns1", ref_name, data))
+                piece = parse_slice(configmap("ns1", ref_name, data))
             except BadConfigMap:
                 continue
             if piece.ref in group.members:

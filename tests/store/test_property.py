@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
+from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.store import JobStore
 from jobsignal.store.configmap import parse_slice
 from jobsignal.store.jobs import ADDED, DELETED, MODIFIED, assemble
+from tests.support.factories import configmap
 
 NOW = 1_800_000_000.0
 JOBS = [
@@ -42,10 +43,6 @@ step = st.tuples(
     st.integers(0, 2),
     st.booleans(),
 )
-
-
-def as_configmap(namespace: str, name: str, data: dict[str, str]) -> dict[str, Any]:
-    return {"metadata": {"namespace": namespace, "name": name, "labels": JOB_LABELS}, "data": data}
 
 
 def expected_view(cluster: dict[tuple[str, str], dict[str, Any]]) -> dict[tuple[str, str], Any]:
@@ -83,7 +80,7 @@ async def _run(steps: list[Any]) -> None:
             status, operator = STATES[state_index]
             for name, data in job.configmaps(status, operator):
                 kind = MODIFIED if (job.namespace, name) in cluster else ADDED
-                obj = as_configmap(job.namespace, name, data)
+                obj = configmap(job.namespace, name, data)
                 cluster[(job.namespace, name)] = obj
                 deliver(kind, obj, delivered)
         elif action in ("drop", "clear"):

@@ -1,4 +1,4 @@
-"""The official grpcio client, as the integration tests use it.
+"""The official grpcio client as the tests use it: stubs, channels, and reading a stream.
 
 `load()` generates `job_pb2` / `job_pb2_grpc` from `protos/job/job.proto`
 with grpc_tools.protoc (the grpcio-tools pinned next to grpcio) into a
@@ -10,18 +10,10 @@ default pool holds them as "job.proto", while the server's own descriptor
 (betterproto2's pool) is "job/job.proto". Reflection tests rely on that
 difference to prove which pool the server answered from.
 
-grpcio-health-checking and grpcio-reflection cannot be imported in the test
-process: their protos define the same symbols (grpc.health.v1.*,
-grpc.reflection.v1alpha.*) as grpclib's, in the same default descriptor pool,
-and protobuf refuses the second registration. Their clients therefore run
-out of process through this module's command line:
-
-    python tests/grpcio_stubs.py health TARGET SERVICE...
-    python tests/grpcio_stubs.py reflection TARGET
-    python tests/grpcio_stubs.py subscribe TARGET ROLE
-
-Each prints JSON lines on stdout (`subscribe` one line per message, until
-killed). The parent passes its stub directory in `JOBSIGNAL_GRPCIO_STUBS`.
+`GrpcioStream` is the one reader of a grpcio response stream: a worker
+thread iterates it while the test waits on what arrived. Health and
+reflection clients run out of process (tests/support/grpcio_cli.py, which
+says why); `cli_command` and `cli_env` start them.
 """
 
 from __future__ import annotations
@@ -29,16 +21,27 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
-import json
 import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-REPO = Path(__file__).resolve().parents[1]
+import grpc
+import trio
+
+from .threads import in_thread
+from .waiting import wait_until
+
+if TYPE_CHECKING:
+    # Not at run time: the out-of-process clients (grpcio_cli) import this module, and
+    # importing jobsignal there would register grpclib's health protos (see grpcio_cli).
+    from jobsignal.store.model import JobSummary
+
+REPO = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO / "protos" / "job"
 STUBS_ENV = "JOBSIGNAL_GRPCIO_STUBS"
 
@@ -151,8 +154,6 @@ class GrpcioClients:
 
     def connect(self, target: str, **options: Any) -> JobClient:
         """A new channel to `target`; `options` as for `channel_options`."""
-        import grpc
-
         channel = grpc.insecure_channel(target, options=channel_options(**options))
         client = JobClient(self.stubs, channel)
         self._clients.append(client)
@@ -164,92 +165,119 @@ class GrpcioClients:
         self._clients.clear()
 
 
-# -- out-of-process clients ---------------------------------------------------
+# -- calls and streams off the trio thread ------------------------------------------------
+
+
+def _expect_rpc_error(fn: Callable[[], object]) -> Any:
+    try:
+        result = fn()
+    except grpc.RpcError as error:
+        return error
+    raise AssertionError(f"expected a gRPC error, got {result!r}")
+
+
+async def rpc_error(fn: Callable[[], object]) -> Any:
+    """Run `fn` (a grpcio call) in a thread; return the grpc.RpcError it raises."""
+    return await in_thread(_expect_rpc_error, fn)
+
+
+@dataclass(eq=False)
+class GrpcioStream:
+    """Reads one grpcio response stream in a worker thread until it ends."""
+
+    call: Any
+    messages: list[Any] = field(default_factory=list)
+    code: Any = None  # grpc.StatusCode once the stream has ended
+    details: str | None = None
+    ended: trio.Event = field(default_factory=trio.Event)
+
+    def _consume(self) -> None:
+        try:
+            for message in self.call:
+                self.messages.append(message)
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            self.code = error.code()
+            self.details = error.details()
+
+    async def run(self) -> None:
+        await in_thread(self._consume)
+        self.ended.set()
+
+    def start(self, nursery: trio.Nursery) -> GrpcioStream:
+        nursery.start_soon(self.run)
+        return self
+
+    async def wait_until(
+        self, condition: Callable[[list[Any]], bool], *, within: float = 5.0, what: str
+    ) -> list[Any]:
+        """Wait until `condition` holds for the messages so far; return them.
+
+        Fails at once if the stream ends first.
+        """
+        await wait_until(
+            lambda: condition(list(self.messages)) or self.ended.is_set(), within=within, what=what
+        )
+        messages = list(self.messages)
+        assert condition(messages), (
+            f"stream ended ({self.code} {self.details!r}) before {what},"
+            f" after {len(messages)} messages"
+        )
+        return messages
+
+    async def wait_for(self, count: int, within: float = 5.0) -> list[Any]:
+        """Wait until `count` messages have arrived; return them."""
+        messages = await self.wait_until(
+            lambda messages: len(messages) >= count, within=within, what=f"{count} messages"
+        )
+        return messages[:count]
+
+    async def wait_end(self, within: float = 5.0) -> tuple[Any, str | None]:
+        """Wait until the stream has ended; return (status code, details)."""
+        with trio.fail_after(within):
+            await self.ended.wait()
+        return self.code, self.details
+
+
+# -- what a grpcio client must see -----------------------------------------------------------
+
+
+def expected_signal(job: JobSummary, uuid: str) -> dict[str, str]:
+    """The JobSummarySignal fields (proto names) a client must see for `job`."""
+    return {
+        "uuid": uuid,
+        "jobId": job.job_id,
+        "jobName": job.job_name,
+        "namespace": job.namespace,
+        "frameWork": job.framework,
+        "jobStatus": job.job_status,
+        "time": job.time,
+        "cmIndex": "0",
+        "total": job.total,
+        "HcclJson": job.hccl_json,
+        "deleteTime": job.delete_time,
+        "sharedTorIp": job.shared_tor_ip,
+        "masterAddr": job.master_addr,
+        "operator": job.operator,
+        "sid": job.sid,
+    }
+
+
+def signal_fields(message: Any) -> dict[str, str]:
+    """All 15 fields of a grpcio JobSummarySignal, by proto name."""
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+
+
+# -- the out-of-process clients -----------------------------------------------------------------
 
 
 def cli_command(*args: str) -> list[str]:
-    """The command line running this module's out-of-process client."""
-    return [sys.executable, str(Path(__file__).resolve()), *args]
+    """The command line running an out-of-process client (tests/support/grpcio_cli.py)."""
+    return [sys.executable, "-m", "tests.support.grpcio_cli", *args]
 
 
 def cli_env(stubs: GrpcioStubs) -> dict[str, str]:
-    """Environment for `cli_command`: reuse this process's generated stubs."""
-    return {**os.environ, STUBS_ENV: str(stubs.directory)}
-
-
-def _emit(payload: object) -> None:
-    print(json.dumps(payload), flush=True)
-
-
-def _health(target: str, services: list[str]) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        result: dict[str, str] = {}
-        for service in services:
-            try:
-                response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-                result[service] = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-            except grpc.RpcError as error:
-                result[service] = f"error:{error.code().name}"
-        _emit(result)
-
-
-def _reflection(target: str) -> None:
-    import grpc
-    from google.protobuf.descriptor_pool import DescriptorPool
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
-        ProtoReflectionDescriptorDatabase,
-    )
-
-    with grpc.insecure_channel(target) as channel:
-        database = ProtoReflectionDescriptorDatabase(channel)
-        services = sorted(database.get_services())
-        pool = DescriptorPool(database)
-        job_file = pool.FindFileContainingSymbol("job.Job")
-        job = pool.FindServiceByName("job.Job")
-        _emit(
-            {
-                "services": services,
-                "job_file": job_file.name,
-                "job_package": job_file.package,
-                "methods": {
-                    method.name: {
-                        "input": method.input_type.full_name,
-                        "output": method.output_type.full_name,
-                        "server_streaming": method.server_streaming,
-                    }
-                    for method in job.methods
-                },
-                "signal_fields": [
-                    field.name
-                    for field in pool.FindMessageTypeByName("job.JobSummarySignal").fields
-                ],
-            }
-        )
-
-
-def _subscribe(target: str, role: str) -> None:
-    client = GrpcioClients(load()).connect(target)
-    client_id = client.register_id(role)
-    _emit({"registered": client_id})
-    for message in client.subscribe(role, client_id, timeout=60):
-        _emit({"jobId": message.jobId, "uuid": message.uuid})
-
-
-def main(argv: list[str]) -> None:
-    command, target, *rest = argv
-    if command == "health":
-        _health(target, rest)
-    elif command == "reflection":
-        _reflection(target)
-    elif command == "subscribe":
-        _subscribe(target, rest[0])
-    else:
-        raise SystemExit(f"unknown command {command!r}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    """Environment for a child process using these helpers: this process's stubs, and
+    the repository on the import path (for `tests.support`)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, STUBS_ENV: str(stubs.directory), "PYTHONPATH": path}

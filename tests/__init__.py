@@ -1,0 +1,1 @@
+"""jobsignal's test suite; the helpers its tests share are in tests/support/."""
