@@ -1,7 +1,7 @@
 """The official grpcio client as the tests use it: stubs, channels, and reading a stream.
 
 `load()` generates `job_pb2` / `job_pb2_grpc` from `protos/job/job.proto`
-with grpc_tools.protoc (the grpcio-tools pinned next to grpcio) into a
+with grpc_tools.protoc (`bench.common.generate_stubs`, which the benchmark uses too) into a
 temporary directory private to this process, and imports them. Nothing is
 written into the source tree, so concurrent test runs cannot race.
 
@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import trio
 
+from bench.common import generate_stubs
+
 from .threads import in_thread
 from .waiting import wait_until
 
@@ -42,7 +44,6 @@ if TYPE_CHECKING:
     from jobsignal.store.model import JobSummary
 
 REPO = Path(__file__).resolve().parents[2]
-PROTO_DIR = REPO / "protos" / "job"
 STUBS_ENV = "JOBSIGNAL_GRPCIO_STUBS"
 
 # One TCP connection per channel: without a local subchannel pool grpcio
@@ -63,25 +64,6 @@ class GrpcioStubs:
     job_pb2_grpc: Any
 
 
-def generate(out: Path) -> None:
-    """Run grpc_tools.protoc on job.proto, writing job_pb2*.py into `out`."""
-    from grpc_tools import protoc
-
-    include = Path(protoc.__file__).parent / "_proto"
-    code = protoc.main(
-        [
-            "grpc_tools.protoc",
-            f"-I{PROTO_DIR}",
-            f"-I{include}",
-            f"--python_out={out}",
-            f"--grpc_python_out={out}",
-            str(PROTO_DIR / "job.proto"),
-        ]
-    )
-    if code != 0:
-        raise RuntimeError(f"grpc_tools.protoc failed with exit code {code}")
-
-
 @functools.cache
 def load() -> GrpcioStubs:
     """Generate (once per process) and import the grpcio stubs."""
@@ -91,7 +73,7 @@ def load() -> GrpcioStubs:
     else:
         directory = Path(tempfile.mkdtemp(prefix="jobsignal-grpcio-stubs-"))
         atexit.register(shutil.rmtree, directory, True)
-        generate(directory)
+        generate_stubs(directory)
     sys.path.insert(0, str(directory))
     return GrpcioStubs(
         directory,
