@@ -565,6 +565,15 @@ class Report:
         checks.append(
             _check_below("End-to-end p50 < 5 ms", _get(r, "e2e", "jobsignal", "p50_ms"), 5, "ms", 2)
         )
+        checks.append(
+            _check_below(
+                "End-to-end p50 < 3 ms, 100 Go subscribers (issue 10)",
+                _get(r, "e2e_go", "jobsignal", "p50_ms"),
+                3,
+                "ms",
+                2,
+            )
+        )
         per_sub = _get(r, "memory", "jobsignal", "per_subscriber_bytes")
         checks.append(
             _check_below(

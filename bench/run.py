@@ -541,6 +541,7 @@ class Bench:
             ("fanout", self.scenario_fanout),
             ("latency", self.scenario_latency),
             ("e2e", self.scenario_e2e),
+            ("e2e_go", self.scenario_e2e_go),
             ("memory", self.scenario_memory),
             ("large", self.scenario_large),
             ("ingest", self.scenario_ingest),
@@ -647,6 +648,37 @@ class Bench:
             summary["cluster_cpu"] = cluster_cpu
             self.results["e2e"] = {"jobsignal": summary}
             self.log(f"  e2e: p50 {summary['p50_ms']:.2f} ms, p99 {summary['p99_ms']:.2f} ms")
+
+    def scenario_e2e_go(self) -> None:
+        """The e2e scenario with the Go load generator as the subscribers (one
+        connection each), so their own decoding does not share the cores with the
+        server: ConfigMap write (its time in `sid`) to arrival, sampled messages."""
+        sizes = self.sizes
+        self.go_programs()  # a missing Go package fails here, named
+        with self.running() as children:
+            cluster = self.cluster(children)
+            cluster.request({"cmd": "populate", "count": 64, "servers": 2})
+            server = self.server(
+                children, "jobsignal", "--source", "kube", "--kube-url", cluster.ready["url"]
+            )
+            client = self.go_clients(children, server, sizes.e2e_subs, 0)
+            cluster.request({"cmd": "mode", "mode": "churn", "rate": sizes.e2e_rate})
+            time.sleep(sizes.warmup)
+            self.reset_latencies([client])
+            time.sleep(sizes.latency_window)
+            samples = self.collect_latencies([client])
+            cluster.request({"cmd": "mode", "mode": "idle"})
+            summary = latency_summary(samples)
+            self.results["e2e_go"] = {
+                "subscribers": sizes.e2e_subs,
+                "rate": sizes.e2e_rate,
+                "jobsignal": summary,
+                "run": self.provenance(),
+            }
+            self.log(
+                f"  e2e (Go subscribers): p50 {summary['p50_ms']:.2f} ms,"
+                f" p99 {summary['p99_ms']:.2f} ms ({summary['samples']} samples)"
+            )
 
     def scenario_memory(self) -> None:
         results: dict[str, Any] = {}
