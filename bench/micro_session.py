@@ -19,9 +19,9 @@ import trio
 import trio.testing
 
 from bench.events import make_jobs
+from bench.jobsignal_server import bench_registry
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
-from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.session import SessionSettings, serve_subscription
 
 ROLE = "CCAgent"
@@ -29,15 +29,7 @@ ADDRESS = "10.0.0.1"
 
 
 async def measure(subscribers: int, events: int) -> dict[str, float]:
-    room = subscribers + 1
-    registry = Registry(
-        roles=[ROLE],
-        max_registrations=room,
-        max_subscriptions_per_role=room,
-        ttl=300,
-        max_registrations_per_ip=room,
-        max_subscriptions_per_role_per_ip=room,
-    )
+    registry = bench_registry()
     broadcaster = Broadcaster()
     settings = SessionSettings()
     delivered = 0
