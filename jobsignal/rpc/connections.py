@@ -92,6 +92,7 @@ class ConnectionTable:
         # Every connection with an open transport, refused ones included: the
         # server closes all of them when it stops, or their sockets would leak.
         self._open: set[ObservedH2Protocol] = set()
+        self._none_open: trio.Event | None = None  # set when the last transport closes
         self.closing = False
         # Connections the server closed on a peer's misbehaviour, by reason.
         self.closed_by_server: Counter[str] = Counter()
@@ -139,6 +140,15 @@ class ConnectionTable:
 
     def lost(self, protocol: ObservedH2Protocol) -> None:
         self._open.discard(protocol)
+        if not self._open and self._none_open is not None:
+            # asyncio's callbacks run on trio's thread (trio-asyncio): a trio Event is safe.
+            self._none_open.set()
+
+    async def wait_transports_closed(self) -> None:
+        """Until every connection's transport is closed (asyncio ran the closes)."""
+        if self._open:
+            self._none_open = trio.Event()
+            await self._none_open.wait()
 
     def close_all(self) -> None:
         """GOAWAY every connection, refused ones too; one that connects after this

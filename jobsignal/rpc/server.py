@@ -259,16 +259,10 @@ async def _stop(
         await trio_asyncio.aio_as_trio(server.wait_closed)()
         for listener in listeners[1:]:  # grpclib waits for the first only
             await trio_asyncio.aio_as_trio(listener.wait_closed)()
-        await _wait_transports_closed(connections)
+        await connections.wait_transports_closed()
     # A peer that does not read keeps its transport open with the GOAWAY unsent,
     # and the asyncio loop ends with the server: drop those connections now.
     connections.abort_all()
     with trio.move_on_after(ABORT_WAIT):
-        await _wait_transports_closed(connections)
+        await connections.wait_transports_closed()
     log.info("gRPC server stopped")
-
-
-async def _wait_transports_closed(connections: ConnectionTable) -> None:
-    """Let asyncio run the closes it has scheduled, until every transport is closed."""
-    while connections.open_transports:
-        await trio_asyncio.aio_as_trio(asyncio.sleep)(0.01)
