@@ -170,6 +170,14 @@ class RawPeer:
             DataFrame(stream_id, message, flags=["END_STREAM"]),
         )
 
+    async def subscribe_wide_open(self, role: str = "DefaultUser1") -> None:
+        """Handshake with the widest windows HTTP/2 allows, then Register (stream 1)
+        and Subscribe (stream 3): flow control never holds the server back, only
+        the socket, once the peer stops reading."""
+        await self.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
+        await self.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
+        await self.subscribe(3, role, await self.register(1, role))
+
     def data_frames(self, stream_id: int) -> list[bytes]:
         return [
             f.data for f in self.frames if isinstance(f, DataFrame) and f.stream_id == stream_id
@@ -509,11 +517,7 @@ async def test_a_peer_that_never_reads_is_no_longer_read_then_closed(
     async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
         healthy = await open_healthy(server, grpc_clients, nursery)
         async with raw_peer(server.port, receive_buffer=4096) as peer:
-            await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
-            await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
-            # Register over the raw connection, then subscribe with the id.
-            client_id = await peer.register(1, "DefaultUser1")
-            await peer.subscribe(3, "DefaultUser1", client_id)
+            await peer.subscribe_wide_open()
             await wait_until(lambda: len(server.broadcaster.subscribers) == 2, within=WAIT)
             # From here on the peer reads nothing. Big events fill its socket.
             for i in range(40):

@@ -9,7 +9,6 @@ import gc
 import warnings
 
 import trio
-from hyperframe.frame import WindowUpdateFrame
 
 from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.limits import Limits
@@ -54,10 +53,7 @@ async def test_a_refused_connection_open_at_shutdown_is_closed() -> None:
 async def subscribe_then_stop_reading(peer: RawPeer, server: ServerHarness) -> None:
     """Open the windows wide, register, subscribe, then read nothing while big
     events fill the socket, until the server can no longer write to it."""
-    await peer.handshake(initial_window_size=2**31 - 1, max_frame_size=2**24 - 1)
-    await peer.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
-    client_id = await peer.register(1, "DefaultUser1")
-    await peer.subscribe(3, "DefaultUser1", client_id)
+    await peer.subscribe_wide_open()
     await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
     (protocol,) = server.connections.protocols()
     for i in range(40):
