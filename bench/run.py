@@ -623,15 +623,21 @@ class Bench:
                     f" p99 {summary['p99_ms']:.2f} ms"
                 )
 
+    def e2e_source(self, children: list[Child]) -> tuple[Child, Child]:
+        """The end-to-end scenarios' source: the emulated cluster with 64 jobs, and
+        jobsignal watching it."""
+        cluster = self.cluster(children)
+        cluster.request({"cmd": "populate", "count": 64, "servers": 2})
+        server = self.server(
+            children, "jobsignal", "--source", "kube", "--kube-url", cluster.ready["url"]
+        )
+        return cluster, server
+
     def scenario_e2e(self) -> None:
         """ConfigMap write in the emulator -> watcher -> store -> subscriber."""
         sizes = self.sizes
         with self.running() as children:
-            cluster = self.cluster(children)
-            cluster.request({"cmd": "populate", "count": 64, "servers": 2})
-            server = self.server(
-                children, "jobsignal", "--source", "kube", "--kube-url", cluster.ready["url"]
-            )
+            cluster, server = self.e2e_source(children)
             clients = self.clients(children, server, sizes.e2e_subs)
             cluster.request({"cmd": "mode", "mode": "churn", "rate": sizes.e2e_rate})
             time.sleep(sizes.warmup)
@@ -656,11 +662,7 @@ class Bench:
         sizes = self.sizes
         self.go_programs()  # a missing Go package fails here, named
         with self.running() as children:
-            cluster = self.cluster(children)
-            cluster.request({"cmd": "populate", "count": 64, "servers": 2})
-            server = self.server(
-                children, "jobsignal", "--source", "kube", "--kube-url", cluster.ready["url"]
-            )
+            cluster, server = self.e2e_source(children)
             client = self.go_clients(children, server, sizes.e2e_subs, 0)
             cluster.request({"cmd": "mode", "mode": "churn", "rate": sizes.e2e_rate})
             time.sleep(sizes.warmup)
