@@ -210,10 +210,15 @@ class JobsignalCollector(Collector):
         )
         yield _counter(
             "jobsignal_write_batches_total",
-            "Batches of messages written to client streams: at once from the subscriber's task,"
-            " or after waiting for HTTP/2 flow control or the socket.",
+            "Batches of messages written to client streams: from publish itself (one message,"
+            " the stream's task parked), at once from the subscriber's task, or after waiting"
+            " for HTTP/2 flow control or the socket.",
             "path",
-            {"at_once": fanout.batches_written_at_once, "waiting": fanout.batches_written_waiting},
+            {
+                "from_publish": fanout.batches_written_from_publish,
+                "at_once": fanout.batches_written_at_once,
+                "waiting": fanout.batches_written_waiting,
+            },
         )
         yield _counter(
             "jobsignal_stream_ends_total",

@@ -56,6 +56,8 @@ class FanoutStats:
     # had to wait for HTTP/2 (flow control, a full socket) through asyncio.
     batches_written_at_once: int = 0
     batches_written_waiting: int = 0
+    # Batches of one message sent by `publish` itself to a stream whose task was parked.
+    batches_written_from_publish: int = 0
     # Job events that could not be encoded or queued, by where it failed.
     events_dropped: Counter[str] = field(default_factory=Counter)
     # Streams ended, by `EndReason` value (the metrics' label); see `stream_ended`.

@@ -2,9 +2,14 @@
 stream (`Subscriber`), job events for an in-process consumer (`EventQueue`).
 
 The broadcaster pushes without ever waiting; the subscriber's task drains in
-batches. When a consumer falls behind, queued messages of the same job are
-coalesced (every message carries the whole state of its job, so the newest one
-is enough). A consumer still too far behind after coalescing is ended with
+batches. While that task is parked on an empty queue, a push is first offered
+to the consumer's direct sink (`deliver_directly`): a gRPC stream whose
+HTTP/2 window is open takes the message there and then, from `publish`, and
+no task is woken for it (docs/architecture.md section 6).
+
+When a consumer falls behind, queued messages of the same job are coalesced
+(every message carries the whole state of its job, so the newest one is
+enough). A consumer still too far behind after coalescing is ended with
 `EndReason.SLOW` and its queue dropped at once, so one stuck consumer can never
 hold memory or delay anyone else. Both kinds share that policy (`BoundedQueue`).
 """
@@ -12,15 +17,20 @@ hold memory or delay anyone else. Both kinds share that policy (`BoundedQueue`).
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
-from collections.abc import Hashable, Sized
+from collections.abc import Callable, Hashable, Sized
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import trio
 
 from jobsignal.fanout.stats import FanoutStats
+from jobsignal.logs import RateLimitedLog
 from jobsignal.store.model import JobSummary
+
+log = logging.getLogger(__name__)
+_faults = RateLimitedLog(log)
 
 
 class StreamKind(enum.Enum):
@@ -53,16 +63,21 @@ P = TypeVar("P", bound=Sized)
 # (job key, encoded message, trio time the source saw the event or None)
 QueueEntry = tuple[Hashable, bytes, float | None]
 
+#: Takes an entry now, without waiting, and says so (True), or takes nothing (False).
+DirectSink = Callable[[tuple[Hashable, P, float | None]], bool]
+
 
 class BoundedQueue(Generic[P]):
     """The slow-consumer policy: bounded, coalesced per job, ended when hopeless."""
 
     __slots__ = (
         "_cancel_scope",
+        "_direct",
         "_max_pending",
         "_max_pending_bytes",
         "_owed",
         "_owed_bytes",
+        "_parked",
         "_pending",
         "_pending_bytes",
         "_stats",
@@ -82,6 +97,10 @@ class BoundedQueue(Generic[P]):
         self._owed = 0
         self._owed_bytes = 0
         self._wakeup = trio.Event()
+        # The consumer waits in `next_batch_timed` on an empty queue: nothing it
+        # took is still on its way out, so a direct delivery keeps the order.
+        self._parked = False
+        self._direct: DirectSink[P] | None = None
         self._cancel_scope: trio.CancelScope | None = None
         self.end_reason: EndReason | None = None
         self.coalesced = 0
@@ -103,6 +122,8 @@ class BoundedQueue(Generic[P]):
         entry per event and shares it between all queues: no allocation per push."""
         if self.end_reason is not None:
             return
+        if self._parked and self._direct is not None and self._offer(self._direct, entry):
+            return
         self._pending.append(entry)
         self._pending_bytes += len(entry[1])
         if self._over_limits():
@@ -110,7 +131,22 @@ class BoundedQueue(Generic[P]):
             if self._over_limits(after_coalescing=True):
                 self.end(EndReason.SLOW)
                 return
+        self._parked = False  # the consumer is woken: what follows queues behind this
         self._wakeup.set()
+
+    def deliver_directly(self, sink: DirectSink[P]) -> None:
+        """Offer each push made while the consumer is parked to `sink` first;
+        what it does not take is queued as usual."""
+        self._direct = sink
+
+    def _offer(self, sink: DirectSink[P], entry: tuple[Hashable, P, float | None]) -> bool:
+        # A fault boundary: a failing sink costs its own subscriber the fast path
+        # for this message (it is queued instead), never the rest of the publish.
+        try:
+            return sink(entry)
+        except Exception:
+            _faults.error("direct_delivery", "direct delivery failed; queued", exc_info=True)
+            return False
 
     def prime(self, entries: list[tuple[Hashable, P, float | None]]) -> None:
         """Queue the snapshot owed to a new subscriber, whatever its size: it is
@@ -122,6 +158,7 @@ class BoundedQueue(Generic[P]):
         self._owed += len(entries)
         self._owed_bytes += sum(len(entry[1]) for entry in entries)
         if entries:
+            self._parked = False
             self._wakeup.set()
 
     def _over_limits(self, *, after_coalescing: bool = False) -> bool:
@@ -169,7 +206,11 @@ class BoundedQueue(Generic[P]):
     async def next_batch_timed(self, max_frames: int) -> tuple[list[P], list[float]]:
         """Like `next_batch`, plus when the watcher saw each live event (for latency)."""
         while not self._pending:
-            await self._wakeup.wait()
+            self._parked = True
+            try:
+                await self._wakeup.wait()
+            finally:
+                self._parked = False
             self._wakeup = trio.Event()
         count = min(max_frames, len(self._pending))
         frames: list[P] = []
@@ -196,6 +237,7 @@ class BoundedQueue(Generic[P]):
         """End this subscription (first reason wins) and free its queue now."""
         if self.end_reason is None:
             self.end_reason = reason
+        self._direct = None
         self._pending.clear()
         self._pending_bytes = self._owed = self._owed_bytes = 0
         self._wakeup.set()  # a consumer waiting in next_batch_or_end learns of it

@@ -282,14 +282,16 @@ def headers_sent(stream: ServerStream) -> bool:
     return bool(stream._send_initial_metadata_done)
 
 
-def send_now(stream: ServerStream, data: memoryview) -> int:
+def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = False) -> int:
     """Queue as much of `data` as HTTP/2 lets go without waiting; the bytes queued (0: wait).
+    With `whole`, all of `data` or nothing.
 
     grpclib's HTTP/2 state is plain objects on this same thread, so a trio
     task frames the data directly. h2 keeps the frames (its flow-control
     windows already count them) until the connection's output is written.
     Nothing goes before the response headers, on a paused socket or past the
-    stream's window.
+    stream's window (h2's window for a stream is the smaller of its own and
+    the connection's).
     """
     h2_stream = stream._stream
     connection = h2_stream.connection
@@ -300,9 +302,13 @@ def send_now(stream: ServerStream, data: memoryview) -> int:
     h2_connection = h2_stream._h2_connection
     try:
         size = min(len(data), h2_connection.local_flow_control_window(stream_id))
+        if whole and size < len(data):
+            return 0
         frame_size = h2_connection.max_outbound_frame_size
         for start in range(0, size, frame_size):
-            h2_connection.send_data(stream_id, bytes(data[start : min(size, start + frame_size)]))
+            piece = data[start : min(size, start + frame_size)]
+            # A whole bytes object slices to itself: no copy for a one-frame message.
+            h2_connection.send_data(stream_id, piece if isinstance(piece, bytes) else bytes(piece))
     except StreamClosedError:
         return 0
     connection.data_send_process()

@@ -47,10 +47,12 @@ class _Waiting:
 
 
 class ConnectionOutput:
-    __slots__ = ("_connection", "_flush_scheduled", "_pump_scheduled", "_waiting")
+    __slots__ = ("_connection", "_flush_scheduled", "_loop", "_pump_scheduled", "_waiting")
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
+        # Held, not looked up: writes also come from trio tasks outside any asyncio context.
+        self._loop = asyncio.get_running_loop()
         self._flush_scheduled = False
         self._pump_scheduled = False
         # Not a deque: one costs 760 bytes on every idle connection.
@@ -65,7 +67,7 @@ class ConnectionOutput:
         """Write the connection's queued frames at the end of this loop turn."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -121,7 +123,7 @@ class ConnectionOutput:
         if budget <= 0 and self._waiting and not self._pump_scheduled:
             # The rest next turn: other connections and tasks get the loop first.
             self._pump_scheduled = True
-            asyncio.get_running_loop().call_soon(self._pump_again)
+            self._loop.call_soon(self._pump_again)
 
     def _pump_again(self) -> None:
         self._pump_scheduled = False

@@ -238,6 +238,7 @@ class JobService:
                 settings=self.settings,
                 activity=activity,
                 send=writer.write,
+                send_now=writer.write_now,
             )
         )()
         await stream.send_trailing_metadata(status=end.status, status_message=end.message)

@@ -27,6 +27,8 @@ from grpclib.const import Status
 
 from jobsignal.config import LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
+from jobsignal.fanout.stats import FanoutStats
+from jobsignal.fanout.subscriber import QueueEntry
 from jobsignal.rpc.activity import ConnectionActivity
 from jobsignal.rpc.registry import Refused, Registry
 from jobsignal.text import clip
@@ -41,6 +43,11 @@ MAX_BATCH = 256
 # HTTP/2 flow control or the socket (`rpc.writer.StreamWriter.write`). It
 # raises `SendTimedOut` when the batch waited `send_timeout` without going out.
 Send = Callable[[list[bytes]], Awaitable[bool]]
+
+# Sends one message now if HTTP/2 takes all of it without waiting, else sends
+# nothing and returns False (`rpc.writer.StreamWriter.write_now`); `publish`
+# calls it while the stream's task is parked, so no task is woken per message.
+SendNow = Callable[[bytes], bool]
 
 
 class SendTimedOut(Exception):
@@ -110,8 +117,8 @@ class IdleDeadline:
         self.timeout = timeout
         self.last = trio.current_time()
 
-    def touch(self) -> None:
-        self.last = trio.current_time()
+    def touch(self, now: float | None = None) -> None:
+        self.last = trio.current_time() if now is None else now
 
     def scope(self) -> trio.CancelScope:
         return trio.CancelScope(deadline=self.last + self.timeout)
@@ -128,6 +135,26 @@ def _record_delivery(broadcaster: Broadcaster, frames: list[bytes], seen: list[f
         stats.delivery_latency.observe(now - seen_at)
 
 
+def _direct_sink(
+    send_now: SendNow, idle: IdleDeadline, stats: FanoutStats
+) -> Callable[[QueueEntry], bool]:
+    """What `publish` offers a parked subscriber's messages to: sent at once, the
+    activity recorded and the delivery counted as the stream's task would."""
+
+    def deliver(entry: QueueEntry) -> bool:
+        if not send_now(entry[1]):
+            return False
+        now = trio.current_time()
+        idle.touch(now)
+        stats.batches_written_from_publish += 1
+        stats.messages_delivered += 1
+        if entry[2] is not None:
+            stats.delivery_latency.observe(now - entry[2])
+        return True
+
+    return deliver
+
+
 async def serve_subscription(
     *,
     kind: StreamKind,
@@ -138,6 +165,7 @@ async def serve_subscription(
     settings: SessionSettings,
     activity: ConnectionActivity,
     send: Send,
+    send_now: SendNow | None = None,
 ) -> StreamEnd:
     """Serve one Subscribe* stream until it ends; return the status to send."""
     try:
@@ -185,6 +213,8 @@ async def serve_subscription(
     try:
         with trio.CancelScope() as ended:
             subscriber.attach(ended)
+            if send_now is not None:
+                subscriber.deliver_directly(_direct_sink(send_now, idle, broadcaster.stats))
             while not idle.expired():
                 with idle.scope():
                     while True:

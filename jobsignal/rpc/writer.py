@@ -8,7 +8,9 @@ without the trio->asyncio hop that dominates the cost of small batches, at
 most `WRITE_SLICE` bytes per loop turn, so one large rank table cannot hold
 the loop while other streams wait. Whatever has to wait goes out in turn with
 the connection's other waiting streams (`rpc.output`), with no asyncio hop
-either. The HTTP/2 internals both need are in `rpc._grpclib`.
+either. `StreamWriter.write_now` is the shortest path: one message sent from
+`publish` itself when HTTP/2 takes all of it at once, so no task is woken
+for it. The HTTP/2 internals all three need are in `rpc._grpclib`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ _UNCOMPRESSED = b"\x00"
 # Bytes one stream may queue per loop turn: a 4 MiB event goes out in 16
 # turns, and other streams (small events to other clients) write in between.
 WRITE_SLICE = 256 * 1024
+
+
+def frame_one(message: bytes) -> bytes:
+    return _UNCOMPRESSED + len(message).to_bytes(4, "big") + message
 
 
 def frame(frames: list[bytes]) -> bytes:
@@ -73,6 +79,21 @@ class StreamWriter:
         if waited.cancelled_caught:
             raise SendTimedOut
         return False
+
+    def write_now(self, message: bytes) -> bool:
+        """Send one message if HTTP/2 takes all of it now; otherwise send nothing
+        and return False (the caller queues it for `write`).
+
+        Safe to call from any trio task on the loop's thread (`publish` calls it
+        for a parked subscriber): it never waits, and it never overtakes a
+        stream waiting its turn on the connection.
+        """
+        if self._output.has_waiting or len(message) + 5 > WRITE_SLICE:
+            return False
+        if not _grpclib.send_now(self._stream, frame_one(message), whole=True):
+            return False
+        self._output.schedule_flush()
+        return True
 
     def _queue_now(self, data: memoryview) -> int:
         """Queue what the stream's window takes of `data` into h2; the bytes queued."""

@@ -40,7 +40,7 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
-from jobsignal._proto.job import ClientInfo, Status
+from jobsignal._proto.job import ClientInfo, JobSummarySignal, Status
 from jobsignal.rpc.guard import CONTROL_FLOOD, RAPID_RESET, ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
@@ -629,6 +629,42 @@ async def test_a_large_message_is_written_one_slice_per_loop_turn() -> None:
         assert WRITE_SLICE <= 512 * 1024
         assert len(writes) >= 4, writes
         assert max(writes) < size // 2, writes
+
+
+def _messages_on(peer: RawPeer, stream_id: int) -> list[bytes]:
+    """The gRPC messages received on `stream_id`, whole ones only."""
+    data = b"".join(peer.data_frames(stream_id))
+    messages = []
+    while len(data) >= 5 and len(data) >= 5 + int.from_bytes(data[1:5], "big"):
+        end = 5 + int.from_bytes(data[1:5], "big")
+        messages.append(data[5:end])
+        data = data[end:]
+    return messages
+
+
+async def test_direct_and_queued_deliveries_keep_the_order_and_the_window() -> None:
+    """A stream window that fills mid-way: the messages that fit go straight from
+    publish, the rest queue; nothing passes the window, and once it opens the
+    client has every message whole and in order."""
+    window = 3_000
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await peer.handshake(initial_window_size=window)
+        await peer.subscribe(3, "CCAgent", await peer.register(1))
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
+        server.broadcaster.publish([make_job(0)])  # the response headers go first
+        await peer.read_until(lambda p: len(_messages_on(p, 3)) == 1)
+        for index in range(1, 30):
+            server.broadcaster.publish([make_job(index)])
+        stats = server.broadcaster.stats
+        assert stats.batches_written_from_publish >= 2, stats
+        # The queued messages fill the window to the byte (h2 refuses more).
+        await peer.read_until(lambda p: _data_on(p, 3) >= window)
+        assert _data_on(peer, 3) == window
+        await peer.send(WindowUpdateFrame(3, window_increment=1_000_000))
+        await peer.read_until(lambda p: len(_messages_on(p, 3)) == 30)
+    ids = [JobSummarySignal.parse(message).job_id for message in _messages_on(peer, 3)]
+    assert ids == [make_job(index).job_id for index in range(30)]
+    assert stats.batches_written_waiting >= 1, stats
 
 
 async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> None:
