@@ -17,13 +17,16 @@ from google.protobuf import message_factory
 from bench.common import NAMESPACE
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.fanout.encoding import encode_signal
+from jobsignal.rpc.reflection import own_pool
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.store import JobStore, JobSummary
 
-# JobSummarySignal in the protobuf runtime, built from the descriptor of
-# jobsignal's generated code: it parses jobsignal's bytes and knows the field
-# names of job.proto ("jobId", "HcclJson", ...).
-_WIRE_SIGNAL = message_factory.GetMessageClass(JobSummarySignal.DESCRIPTOR)
+# JobSummarySignal in the protobuf runtime, built from the descriptor the server's
+# reflection serves: it parses jobsignal's bytes and knows the field names of
+# job.proto ("jobId", "HcclJson", ...).
+_WIRE_SIGNAL = message_factory.GetMessageClass(
+    own_pool().FindMessageTypeByName(f"job.{JobSummarySignal.__name__}")
+)
 
 
 def clusterd_job(index: int, servers: int, servers_per_configmap: int = 1000) -> ClusterdJob:

@@ -32,9 +32,8 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Status as GrpcStatus
 from grpclib.exceptions import GRPCError, StreamTerminatedError
-from grpclib.health.v1.health_grpc import HealthStub
-from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
+from jobsignal._proto.grpc.health.v1 import HealthCheckRequest, HealthStub
 from jobsignal._proto.job import ClientInfo, JobStub, JobSummarySignal, JobSummarySignalList
 from jobsignal.backoff import Backoff
 
@@ -301,13 +300,12 @@ async def check_health(options: SubscribeOptions, service: str = "") -> str:
 
     async def check(channel: Channel) -> str:
         try:
-            reply = await HealthStub(channel).Check(HealthCheckRequest(service=service))
+            reply = await HealthStub(channel).check(HealthCheckRequest(service=service))
         except GRPCError as error:
             if error.status is not GrpcStatus.NOT_FOUND:
                 raise
             raise CallFailed(f"NOT_FOUND: the server has no health entry {service!r}") from None
-        name: str = HealthCheckResponse.ServingStatus.Name(reply.status)
-        return name
+        return reply.status.name or f"status {int(reply.status)}"
 
     return await _call_once(options, check)
 

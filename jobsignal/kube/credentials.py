@@ -161,8 +161,9 @@ class KubeConnection:
     <conn.token_source.current()>`` header per request when ``token_source`` is
     set, or the credentials of ``exec_credentials`` (kube.api's
     ``open_kube_client`` does all of it). ``verify`` is always an SSLContext:
-    it carries the CA (or the system roots), the client certificate and key,
-    the ``tls-server-name`` override, or disabled verification.
+    it carries the CA (or, for an https server, the system roots), the client
+    certificate and key, the ``tls-server-name`` override, or disabled
+    verification.
     """
 
     base_url: str
@@ -422,7 +423,7 @@ def _connect(cfg: _Config, context_name: str | None) -> KubeConnection:
             raise KubeConfigError(f"user {user_name!r} of {ctx_where} is not defined")
 
     base_url = _server_url(cluster, cluster_where)
-    tls = _cluster_tls(cluster, cluster_where)
+    tls = _cluster_tls(cluster, cluster_where, https=base_url.startswith("https:"))
     proxy = _proxy_url(cluster, cluster_where)
     credentials = _Credentials(None, None, "no credentials")
     if user is not None and user_name:
@@ -477,7 +478,7 @@ class _ClusterTls:
     server_name: str | None
 
 
-def _cluster_tls(cluster: _Entry, where: str) -> _ClusterTls:
+def _cluster_tls(cluster: _Entry, where: str, *, https: bool) -> _ClusterTls:
     insecure = cluster.body.get("insecure-skip-tls-verify", False)
     if not isinstance(insecure, bool):
         raise KubeConfigError(f"{where}: insecure-skip-tls-verify is not true or false")
@@ -508,8 +509,10 @@ def _cluster_tls(cluster: _Entry, where: str) -> _ClusterTls:
         return _ClusterTls(context, ", TLS verification disabled", None, True, server_name)
     if ca_pem is not None:
         _load_ca(context, ca_pem, ca_label)
-    else:
+    elif https:
         context.load_default_certs()  # no CA configured: the system roots, as kubectl does
+    # (A plain-http server never has its certificate checked: the system roots,
+    # about 1.3 MB of OpenSSL memory, would only sit in an unused context.)
     note = f", TLS server name {server_name}" if server_name else ""
     return _ClusterTls(context, note, ca_pem, False, server_name)
 

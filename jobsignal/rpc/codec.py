@@ -2,8 +2,8 @@
 
 Job events are encoded once by the broadcaster and handed to grpclib as bytes
 (docs/architecture.md section 6, "Fan-out and slow clients"); Register
-replies, health and reflection messages are ordinary protobuf/betterproto2
-objects. Request decoding failures become
+replies and health messages are betterproto2 objects, reflection's protobuf
+ones. Request decoding failures become
 INVALID_ARGUMENT here, at the boundary, instead of a generic UNKNOWN.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf import message_factory
+import betterproto2
 from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError
@@ -50,14 +50,68 @@ class PassthroughCodec(CodecBase):
 
 
 def _strict_check(data: bytes, message_type: Any) -> None:
-    """Parse with the protobuf runtime, which rejects what betterproto2 lets by.
+    """Reject the malformed wire data that protobuf's parser rejects and betterproto2's
+    lets by (a length-delimited or fixed-size field running past the end, wire
+    types 6 and 7, field number 0, unmatched groups), without the protobuf runtime.
 
-    betterproto2's parser accepts a length-delimited field that runs past the
-    end of the message; protobuf's raises DecodeError. Both share the
-    descriptor generated from protos/, so the check costs one extra parse of a
-    small request. Messages that are already protobuf classes need no check.
+    The requests this server parses with betterproto2 (ClientInfo,
+    HealthCheckRequest) hold only scalars and strings, so checking the framing
+    of their fields is the whole of it; betterproto2 itself rejects overlong
+    varints and invalid UTF-8. Protobuf classes (reflection) parse strictly
+    themselves.
     """
-    descriptor = getattr(message_type, "DESCRIPTOR", None)
-    if descriptor is None or hasattr(message_type, "ParseFromString"):
-        return
-    message_factory.GetMessageClass(descriptor).FromString(data)
+    if isinstance(message_type, type) and issubclass(message_type, betterproto2.Message):
+        _check_fields(data, 0, None, 0)
+
+
+# protobuf's default recursion limit, which nested groups count against.
+_MAX_GROUP_DEPTH = 100
+_WIRE_VARINT, _WIRE_FIXED64, _WIRE_LENGTH, _WIRE_GROUP, _WIRE_END, _WIRE_FIXED32 = range(6)
+
+
+def _varint(data: bytes, pos: int, most: int = 10) -> tuple[int, int]:
+    """The varint at `pos` (at most `most` bytes) and the position after it."""
+    value = 0
+    for shift in range(0, 7 * most, 7):
+        if pos >= len(data):
+            raise ValueError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+    raise ValueError("varint too long")
+
+
+def _check_fields(data: bytes, pos: int, group: int | None, depth: int) -> int:
+    """Walk the fields from `pos` to the end of `data` or, inside a group, to the
+    group's END_GROUP; return the position after them. As protobuf's parser: a
+    tag is a 32-bit varint of at most 5 bytes, and field number 0 is refused
+    outside groups only (inside one, fields are skipped unread)."""
+    while pos < len(data):
+        tag, pos = _varint(data, pos, most=5)
+        number, wire_type = tag >> 3, tag & 7
+        if tag > 0xFFFFFFFF or (number == 0 and group is None):
+            raise ValueError("invalid field tag")
+        if wire_type == _WIRE_VARINT:
+            pos = _varint(data, pos)[1]
+        elif wire_type == _WIRE_FIXED64:
+            pos += 8
+        elif wire_type == _WIRE_FIXED32:
+            pos += 4
+        elif wire_type == _WIRE_LENGTH:
+            length, pos = _varint(data, pos)
+            pos += length
+        elif wire_type == _WIRE_GROUP:
+            if depth >= _MAX_GROUP_DEPTH:
+                raise ValueError("groups nested too deeply")
+            pos = _check_fields(data, pos, number, depth + 1)
+        elif wire_type == _WIRE_END and number == group:
+            return pos
+        else:
+            raise ValueError("invalid wire type or unmatched END_GROUP")
+        if pos > len(data):
+            raise ValueError("field runs past the end of the message")
+    if group is not None:
+        raise ValueError("unterminated group")
+    return pos

@@ -20,13 +20,9 @@ from typing import Any
 
 import trio
 import trio_asyncio
-from google.protobuf import descriptor_pool
 from grpclib.config import Configuration
 from grpclib.health.check import ServiceStatus
-from grpclib.health.service import OVERALL, Health
-from grpclib.reflection.service import ServerReflection
 
-from jobsignal._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from jobsignal.config import Config, LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason
 from jobsignal.rpc import _grpclib
@@ -34,8 +30,9 @@ from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.codec import PassthroughCodec
 from jobsignal.rpc.connections import ConnectionTable, JobsignalServer
 from jobsignal.rpc.guard import ProtocolLimits
+from jobsignal.rpc.health import Health, service_name
 from jobsignal.rpc.limits import Limits
-from jobsignal.rpc.reflection import ChainedPool
+from jobsignal.rpc.reflection import LazyReflection
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
 from jobsignal.rpc.session import SessionSettings
@@ -105,16 +102,6 @@ def _grpclib_config(settings: ServerSettings) -> Configuration:
     )
 
 
-class _HealthName:
-    """Names a health entry that is not a served gRPC service."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __mapping__(self) -> dict[str, None]:
-        return {f"/{self._name}/Status": None}
-
-
 SOURCE_HEALTH_NAME = "jobsignal.KubernetesSync"
 
 
@@ -167,14 +154,13 @@ async def run_grpc_server(
     ready_health, source_health = ServiceStatus(), ServiceStatus()
     health = Health(
         {
-            OVERALL: [ready_health],
-            service: [ready_health],
-            _HealthName(SOURCE_HEALTH_NAME): [source_health],
+            "": [ready_health],  # the server as a whole
+            service_name(service): [ready_health],
+            SOURCE_HEALTH_NAME: [source_health],
         }
     )
     services: list[Any] = [service, health]
-    pool = ChainedPool([default_google_proto_descriptor_pool, descriptor_pool.Default()])
-    services = ServerReflection.extend(services, pool=pool)
+    services.append(LazyReflection(services))
     tls = ReloadingTls(settings.tls) if settings.tls is not None else None
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         server = JobsignalServer(

@@ -11,9 +11,7 @@ from typing import TYPE_CHECKING
 
 import betterproto2
 from betterproto2 import grpclib as betterproto2_grpclib
-from google.protobuf.descriptor import Descriptor
 
-from ..google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from ..message_pool import default_message_pool
 
 if TYPE_CHECKING:
@@ -31,11 +29,6 @@ class ClientInfo(betterproto2.Message):
     clientId the server handed out.
     """
 
-    @betterproto2.staticproperty
-    @staticmethod
-    def DESCRIPTOR() -> Descriptor:
-        return JOB_JOB_PROTO_DESCRIPTOR.message_types_by_name["ClientInfo"]
-
     role: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
     client_id: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
@@ -49,11 +42,6 @@ class JobSummarySignal(betterproto2.Message):
     """
     One job event. All fields are strings, as in ClusterD.
     """
-
-    @betterproto2.staticproperty
-    @staticmethod
-    def DESCRIPTOR() -> Descriptor:
-        return JOB_JOB_PROTO_DESCRIPTOR.message_types_by_name["JobSummarySignal"]
 
     uuid: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -95,11 +83,6 @@ class JobSummarySignalList(betterproto2.Message):
     A batch of job events: the snapshot in batches, then one live change each.
     """
 
-    @betterproto2.staticproperty
-    @staticmethod
-    def DESCRIPTOR() -> Descriptor:
-        return JOB_JOB_PROTO_DESCRIPTOR.message_types_by_name["JobSummarySignalList"]
-
     job_summary_signals: "list[JobSummarySignal]" = betterproto2.field(
         1, betterproto2.TYPE_MESSAGE, repeated=True
     )
@@ -118,11 +101,6 @@ class Status(betterproto2.Message):
     Result of Register: code 200 with the assigned clientId, or 429 when the
     server holds too many registrations.
     """
-
-    @betterproto2.staticproperty
-    @staticmethod
-    def DESCRIPTOR() -> Descriptor:
-        return JOB_JOB_PROTO_DESCRIPTOR.message_types_by_name["Status"]
 
     code: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
 
@@ -190,8 +168,3 @@ class JobStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         ):
             yield response
-
-
-JOB_JOB_PROTO_DESCRIPTOR = default_google_proto_descriptor_pool.AddSerializedFile(
-    b'\n\rjob/job.proto\x12\x03job"<\n\nClientInfo\x12\x12\n\x04role\x18\x01 \x01(\tR\x04role\x12\x1a\n\x08clientId\x18\x03 \x01(\tR\x08clientId"L\n\x06Status\x12\x12\n\x04code\x18\x01 \x01(\x05R\x04code\x12\x12\n\x04info\x18\x02 \x01(\tR\x04info\x12\x1a\n\x08clientId\x18\x03 \x01(\tR\x08clientId"\xa0\x03\n\x10JobSummarySignal\x12\x12\n\x04uuid\x18\x01 \x01(\tR\x04uuid\x12\x14\n\x05jobId\x18\x02 \x01(\tR\x05jobId\x12\x18\n\x07jobName\x18\x03 \x01(\tR\x07jobName\x12\x1c\n\tnamespace\x18\x04 \x01(\tR\tnamespace\x12\x1c\n\tframeWork\x18\x05 \x01(\tR\tframeWork\x12\x1c\n\tjobStatus\x18\x06 \x01(\tR\tjobStatus\x12\x12\n\x04time\x18\x07 \x01(\tR\x04time\x12\x18\n\x07cmIndex\x18\x08 \x01(\tR\x07cmIndex\x12\x14\n\x05total\x18\t \x01(\tR\x05total\x12\x1a\n\x08HcclJson\x18\n \x01(\tR\x08HcclJson\x12\x1e\n\ndeleteTime\x18\x0b \x01(\tR\ndeleteTime\x12 \n\x0bsharedTorIp\x18\x0c \x01(\tR\x0bsharedTorIp\x12\x1e\n\nmasterAddr\x18\r \x01(\tR\nmasterAddr\x12\x1a\n\x08operator\x18\x0e \x01(\tR\x08operator\x12\x10\n\x03sid\x18\x0f \x01(\tR\x03sid"\x9d\x01\n\x14JobSummarySignalList\x12C\n\x11jobSummarySignals\x18\x01 \x03(\x0b2\x15.job.JobSummarySignalR\x11jobSummarySignals\x12\x1e\n\nReportTime\x18\x02 \x01(\tR\nReportTime\x12 \n\x0bJobTotalNum\x18\x03 \x01(\x05R\x0bJobTotalNum2\xcb\x01\n\x03Job\x12*\n\x08Register\x12\x0f.job.ClientInfo\x1a\x0b.job.Status"\x00\x12G\n\x19SubscribeJobSummarySignal\x12\x0f.job.ClientInfo\x1a\x15.job.JobSummarySignal"\x000\x01\x12O\n\x1dSubscribeJobSummarySignalList\x12\x0f.job.ClientInfo\x1a\x19.job.JobSummarySignalList"\x000\x01B\x06Z\x04/jobb\x06proto3'
-)

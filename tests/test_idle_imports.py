@@ -1,0 +1,60 @@
+"""What a serving jobsignal leaves unimported: the protobuf runtime and PyYAML.
+
+A fresh interpreter (this one has grpcio and protobuf loaded by other tests)
+serves the embedded demo cluster, answers health Check and Watch, a Register
+and a List subscription, and reports which of those modules it loaded. Server
+reflection is the one caller of the protobuf runtime, loaded on its first call
+(jobsignal/rpc/reflection.py); its answers are tested in tests/rpc/test_interop.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SERVE_AND_REPORT = """
+import json, sys
+import trio
+import jobsignal
+from jobsignal.client import check_health, fetch_jobs
+
+async def main():
+    config = jobsignal.configure(listen="127.0.0.1:0", source="demo")
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(jobsignal.serve, config)
+        with trio.fail_after(30):
+            await server.ready.wait()
+            options = jobsignal.SubscribeOptions("127.0.0.1", server.port, role="CCAgent")
+            health = [await check_health(options, name) for name in ("", "job.Job")]
+            jobs = await fetch_jobs(options)
+        loaded = sorted(
+            name for name in sys.modules
+            # (not "google" itself: a namespace package some installs import at start-up)
+            if name.split(".")[0] == "yaml"
+            or name.startswith(("google.protobuf", "google._upb", "grpclib.reflection"))
+        )
+        print(json.dumps({"health": health, "jobs": len(jobs), "loaded": loaded}))
+        server.request_shutdown()
+
+trio.run(main)
+"""
+
+
+def test_a_serving_server_loads_neither_protobuf_nor_yaml() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE_AND_REPORT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["health"] == ["SERVING", "SERVING"]
+    assert report["jobs"] >= 0  # the snapshot arrived (the demo may hold no job yet)
+    assert report["loaded"] == []
