@@ -315,6 +315,12 @@ def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = Fa
     return size
 
 
+def alone_on_connection(stream: ServerStream) -> bool:
+    """Whether this is the only stream h2 holds for its connection (h2 forgets closed
+    streams lazily, so False may also mean a finished one lingers)."""
+    return len(stream._stream._h2_connection.streams) == 1
+
+
 def connection_can_send(connection: Connection) -> bool:
     """Whether any stream of this grpclib connection could send data now: the socket
     takes writes and the connection's own flow-control window is open."""

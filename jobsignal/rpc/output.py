@@ -69,10 +69,14 @@ class ConnectionOutput:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
+    def flush_now(self) -> None:
+        """Write the connection's queued frames now."""
         if not self._connection.is_closing():
             self._connection.flush()
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        self.flush_now()
 
     async def send_in_turn(self, stream: Stream, data: memoryview) -> None:
         """Send `data` on `stream`, taking turns with the connection's other waiting streams."""

@@ -92,14 +92,23 @@ class StreamWriter:
             return False
         if not _grpclib.send_now(self._stream, frame_one(message), whole=True):
             return False
-        self._output.schedule_flush()
+        self._flush()
         return True
+
+    def _flush(self) -> None:
+        """Write out what was queued: now when this is the connection's only stream
+        (nothing to share the write with, and the client waits for it), else at
+        the end of the loop turn, with the other streams' frames."""
+        if _grpclib.alone_on_connection(self._stream):
+            self._output.flush_now()
+        else:
+            self._output.schedule_flush()
 
     def _queue_now(self, data: memoryview) -> int:
         """Queue what the stream's window takes of `data` into h2; the bytes queued."""
         queued = _grpclib.send_now(self._stream, data)
         if queued:
-            self._output.schedule_flush()
+            self._flush()
         return queued
 
     async def _queue_slices(self, data: memoryview) -> int:

@@ -530,5 +530,24 @@ async def test_a_publish_to_many_streams_of_one_connection_is_one_write(
         assert len(writes) <= 10, writes
 
 
+async def test_a_stream_alone_on_its_connection_is_written_within_publish(
+    grpc_clients: GrpcioClients,
+) -> None:
+    """One subscription per channel (the usual client): nothing to coalesce its
+    message with, so the bytes reach the socket before publish returns."""
+    async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
+        client = grpc_clients.connect(server.target)
+        client_id = await in_thread(client.register_id, "CCAgent")
+        stream = GrpcioStream(client.subscribe("CCAgent", client_id)).start(nursery)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+        server.broadcaster.publish([make_job(0)])  # the response headers go out first
+        await wait_until(functools.partial(received, stream, 1))
+        writes = count_writes(server.connections)
+        server.broadcaster.publish([make_job(1)])
+        assert len(writes) == 1, writes  # no checkpoint since publish: written in it
+        await wait_until(functools.partial(received, stream, 2))
+        assert len(writes) == 1, writes
+
+
 def all_received(collectors: list[GrpcioStream], count: int) -> bool:
     return all(len(c.messages) == count for c in collectors)
