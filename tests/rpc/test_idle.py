@@ -17,7 +17,9 @@ ROLE = "CCAgent"
 
 
 class Harness:
-    def __init__(self, settings: SessionSettings | None = None) -> None:
+    def __init__(self, settings: SessionSettings | None = None, *, direct: bool = False) -> None:
+        # direct: messages go out from publish (rpc.writer's write_now), the task stays parked.
+        self.direct = direct
         self.registry = Registry(
             roles=[ROLE, "FdAgent"], max_registrations=10, max_subscriptions_per_role=20, ttl=300
         )
@@ -33,6 +35,10 @@ class Harness:
         self.sent_at.extend(trio.current_time() for _ in frames)
         return True
 
+    def send_now(self, message: bytes) -> bool:
+        self.sent_at.append(trio.current_time())
+        return True
+
     async def serve(self, kind: StreamKind = StreamKind.SIGNAL) -> None:
         self.end = await serve_subscription(
             kind=kind,
@@ -43,6 +49,7 @@ class Harness:
             settings=self.settings,
             activity=self.activity,
             send=self.send,
+            send_now=self.send_now if self.direct else None,
         )
         self.ended_at = trio.current_time()
 
@@ -69,8 +76,15 @@ async def test_no_traffic_closes_at_exactly_120s(autojump_clock: trio.testing.Mo
     harness.assert_released()
 
 
-async def test_message_at_100s_moves_close_to_220s(autojump_clock: trio.testing.MockClock) -> None:
-    harness = Harness()
+# Both ways a message goes out count as activity: from the stream's task, or from publish.
+delivery_paths = pytest.mark.parametrize("direct", [False, True], ids=["task", "from_publish"])
+
+
+@delivery_paths
+async def test_message_at_100s_moves_close_to_220s(
+    autojump_clock: trio.testing.MockClock, direct: bool
+) -> None:
+    harness = Harness(direct=direct)
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(harness.serve)
@@ -84,12 +98,13 @@ async def test_message_at_100s_moves_close_to_220s(autojump_clock: trio.testing.
     harness.assert_released()
 
 
+@delivery_paths
 async def test_a_steady_stream_closes_exactly_120s_after_its_last_message(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, direct: bool
 ) -> None:
     """Messages move the close without moving a deadline each time (the scope is
     re-armed when it fires): still exactly 120 s after the last one."""
-    harness = Harness()
+    harness = Harness(direct=direct)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(harness.serve)
         for index in range(25):  # one every 37 s for over fifteen minutes
