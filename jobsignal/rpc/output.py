@@ -69,14 +69,21 @@ class ConnectionOutput:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
-    def flush_now(self) -> None:
-        """Write the connection's queued frames now."""
+    def flush_first_now(self) -> None:
+        """Write the connection's queued frames now if nothing is due at the end of
+        this loop turn yet, else then: the first write of a turn is not delayed,
+        and a burst of them still costs at most two system calls."""
+        if not self._flush_scheduled:
+            self._flush_now()
+        self.schedule_flush()
+
+    def _flush_now(self) -> None:
         if not self._connection.is_closing():
             self._connection.flush()
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        self.flush_now()
+        self._flush_now()
 
     async def send_in_turn(self, stream: Stream, data: memoryview) -> None:
         """Send `data` on `stream`, taking turns with the connection's other waiting streams."""

@@ -96,11 +96,12 @@ class StreamWriter:
         return True
 
     def _flush(self) -> None:
-        """Write out what was queued: now when this is the connection's only stream
-        (nothing to share the write with, and the client waits for it), else at
-        the end of the loop turn, with the other streams' frames."""
+        """Write out what was queued: at once when this is the connection's only
+        stream (nothing to share the write with, and the client waits for it;
+        later writes in the same loop turn still go together), else at the end
+        of the loop turn, with the other streams' frames."""
         if _grpclib.alone_on_connection(self._stream):
-            self._output.flush_now()
+            self._output.flush_first_now()
         else:
             self._output.schedule_flush()
 

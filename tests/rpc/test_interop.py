@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import trio
+import trio.testing
 
 from jobsignal.store.model import JobSummary, event_id
 from tests.support.factories import make_job
@@ -547,6 +548,12 @@ async def test_a_stream_alone_on_its_connection_is_written_within_publish(
         assert len(writes) == 1, writes  # no checkpoint since publish: written in it
         await wait_until(functools.partial(received, stream, 2))
         assert len(writes) == 1, writes
+        # A burst in one loop turn: the first at once, the rest together at its end.
+        await trio.testing.wait_all_tasks_blocked()  # the last turn's flush has run
+        server.broadcaster.publish([make_job(index) for index in range(2, 12)])
+        assert len(writes) == 2, writes
+        await wait_until(functools.partial(received, stream, 12))
+        assert len(writes) == 3, writes
 
 
 def all_received(collectors: list[GrpcioStream], count: int) -> bool:
