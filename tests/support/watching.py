@@ -102,7 +102,8 @@ async def open_watcher(
 ) -> AsyncIterator[WatchHarness]:
     """A Watcher on `emu` over real HTTP, observed through a Broadcaster subscriber."""
     settings = WatchSettings() if settings is None else settings
-    store, broadcaster, status = JobStore(), Broadcaster(), SourceStatus()
+    store, status = JobStore(), SourceStatus()
+    broadcaster = Broadcaster(jobs=store)
     sent: list[tuple[float, str, dict[str, str]]] = []
 
     async def record_request(request: httpx.Request) -> None:
@@ -180,7 +181,8 @@ async def open_source(
     )
     connection = choose_connection(config, {})
     assert connection is not None
-    store, broadcaster, status = JobStore(), Broadcaster(), SourceStatus()
+    store, status = JobStore(), SourceStatus()
+    broadcaster = Broadcaster(jobs=store)
     log = SignalLog(broadcaster)
     crashes: list[BaseException] = []
 
