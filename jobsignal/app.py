@@ -286,7 +286,7 @@ async def run_jobsignal(
         shutdown = trio.Event()
     store = JobStore()
     status = SourceStatus()
-    broadcaster = Broadcaster.from_config(config)
+    broadcaster = Broadcaster.from_config(config, jobs=store)  # the store owns the job state
     registry = Registry.from_config(config)
     draining = trio.Event()
     async with trio.open_nursery() as nursery:

@@ -36,7 +36,7 @@ async def watch_jobs(
     """
     connection = choose_connection(config, environ)
     store, status = JobStore(), SourceStatus()
-    broadcaster = Broadcaster.from_config(config)
+    broadcaster = Broadcaster.from_config(config, jobs=store)  # the store owns the job state
     async with background_tasks() as nursery:
         await nursery.start(run_source, config, connection, store, broadcaster, status)
         await status.ready.wait()

@@ -1,10 +1,18 @@
 """Broadcaster: turns job events into encoded messages and fans them out.
 
 `publish()` is synchronous and never waits: it encodes each event once per
-message type, records it as the job's latest state (for snapshots), and
-pushes the same bytes into every subscriber's queue. Subscribing and taking
-the snapshot happen in one synchronous step, so no event can fall between the
-snapshot and the live stream.
+message type and pushes the same bytes into every subscriber's queue.
+Subscribing and taking the snapshot happen in one synchronous step, so no
+event can fall between the snapshot and the live stream.
+
+The broadcaster keeps no job state of its own (docs/architecture.md section
+4, "Who owns the job state"): snapshots, `job_count()` and `latest()` read
+the live jobs from their owner (`LiveJobs`), the job store in a server. What
+it keeps per job is derived and checked against the owner on every read: an
+encoding cache (uuid and signal bytes) valid only while the owner holds that
+very `JobSummary` object, and the jobs it dropped as unencodable. A
+broadcaster built without an owner keeps one itself (`PublishedJobs`, what
+was published), for tests and embedders that publish by hand.
 
 One job event is a fault boundary: the store only emits valid UTF-8, so an
 event that fails to encode or queue is a bug, but it costs only that event
@@ -16,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -65,6 +74,38 @@ class EncodedJob:
         return self._uuid
 
 
+class LiveJobs(Protocol):
+    """The owner of every live job's latest state, read by the broadcaster:
+    `JobStore` in a server, `PublishedJobs` in a broadcaster built without one."""
+
+    def live_items(self) -> Iterable[tuple[JobKey, JobSummary]]:
+        """(key, state) of every live job, in a stable order; consumed before
+        the owner changes."""
+        ...
+
+    def live_job_count(self) -> int: ...
+
+
+class PublishedJobs:
+    """The live jobs as published: the owner of the state when the broadcaster
+    was given none (`Broadcaster.publish` records every event here)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[JobKey, JobSummary] = {}
+
+    def record(self, key: JobKey, job: JobSummary) -> None:
+        if job.is_deleted:
+            self._jobs.pop(key, None)
+        else:
+            self._jobs[key] = job
+
+    def live_items(self) -> Iterable[tuple[JobKey, JobSummary]]:
+        return self._jobs.items()
+
+    def live_job_count(self) -> int:
+        return len(self._jobs)
+
+
 class Broadcaster:
     def __init__(
         self,
@@ -77,13 +118,25 @@ class Broadcaster:
         max_message_bytes: int = DEFAULTS.max_send_bytes,
         wall_clock: Callable[[], float] = time.time,
         stats: FanoutStats | None = None,
+        jobs: LiveJobs | None = None,
     ) -> None:
+        """`jobs` owns the live jobs' state (the job store whose events are
+        published here); without it, the broadcaster records what it publishes."""
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
         self._batch_npus = batch_npus
         self._max_message_bytes = max_message_bytes
         self._wall_clock = wall_clock
-        self._latest: dict[JobKey, EncodedJob] = {}
+        self._own_record: PublishedJobs | None = None
+        if jobs is None:
+            jobs = self._own_record = PublishedJobs()
+        self._jobs = jobs
+        # Derived from the owner's state, never a second copy of it: an entry
+        # counts only while its `job` is the object the owner holds now.
+        self._encoded: dict[JobKey, EncodedJob] = {}
+        # Jobs that failed to encode, left out of snapshots and counts until
+        # their next event (so a broken one is not retried on every snapshot).
+        self._dropped: dict[JobKey, JobSummary] = {}
         self._signal_subscribers: set[Subscriber] = set()
         self._list_subscribers: set[Subscriber] = set()
         # In-process consumers (jobsignal.watch_jobs, RunningJobsignal.open_subscription).
@@ -92,13 +145,14 @@ class Broadcaster:
         self._faults = RateLimitedLog(log)
 
     @classmethod
-    def from_config(cls, config: Config) -> Broadcaster:
+    def from_config(cls, config: Config, *, jobs: LiveJobs | None = None) -> Broadcaster:
         """The queue bounds of --max-pending-messages and --max-pending-bytes, and
-        --max-send-bytes."""
+        --max-send-bytes; `jobs` as for the constructor."""
         return cls(
             max_pending=config.max_pending_messages,
             max_pending_bytes=config.max_pending_bytes,
             max_message_bytes=config.max_send_bytes,
+            jobs=jobs,
         )
 
     # -- state -------------------------------------------------------------
@@ -111,15 +165,26 @@ class Broadcaster:
         return self._signal_subscribers if kind is StreamKind.SIGNAL else self._list_subscribers
 
     def job_count(self) -> int:
-        return len(self._latest)
+        """Live jobs, as snapshots count them (JobTotalNum)."""
+        return self._jobs.live_job_count() - len(self._dropped)
 
     def latest(self) -> list[EncodedJob]:
-        return list(self._latest.values())
+        """Every live job's latest event, in snapshot order."""
+        return self._live_events()
 
     # -- events ------------------------------------------------------------
 
-    def publish(self, jobs: Iterable[JobSummary], seen_at: float | None = None) -> None:
+    def publish(
+        self,
+        jobs: Iterable[JobSummary],
+        seen_at: float | None = None,
+        live_counts: Sequence[int] | None = None,
+    ) -> None:
         """Send job events to every subscriber; `seen_at` is when the source saw them.
+
+        `live_counts[i]` is the number of live jobs once the owner emitted
+        `jobs[i]` (`Changes.live_counts`), for list messages' JobTotalNum;
+        without it, the owner's count now.
 
         The hot loop: one encoding and one shared queue entry per event and
         message type, then a plain append per subscriber.
@@ -127,13 +192,20 @@ class Broadcaster:
         if seen_at is None:
             seen_at = trio.current_time()
         stats = self.stats
+        own_record, encoded, dropped = self._own_record, self._encoded, self._dropped
+        counts = iter(live_counts) if live_counts is not None else None
         for job in jobs:
             key = job.key
             event = EncodedJob(job)
+            if own_record is not None:
+                own_record.record(key, job)
             if job.is_deleted:
-                self._latest.pop(key, None)
+                encoded.pop(key, None)
             else:
-                self._latest[key] = event
+                encoded[key] = event
+            if dropped:
+                dropped.pop(key, None)  # a new state gets its own chance
+            live_count = next(counts) if counts is not None else None
             stats.events_published += 1
             if self._event_queues:
                 queued = (key, QueuedEvent(job, event.uuid), seen_at)
@@ -147,12 +219,15 @@ class Broadcaster:
                 for subscriber in self._signal_subscribers:
                     subscriber.push_entry(entry)
                 if self._list_subscribers:
-                    as_list = encode_signal_list([signal], self._now_ms(), len(self._latest))
+                    if live_count is None:
+                        live_count = self._jobs.live_job_count()
+                    total = live_count - len(dropped)
+                    as_list = encode_signal_list([signal], self._now_ms(), total)
                     entry = (key, as_list, seen_at)
                     for subscriber in self._list_subscribers:
                         subscriber.push_entry(entry)
             except Exception:
-                self._drop(event, "publish")
+                self._drop(key, event, "publish")
                 continue
             stats.messages_queued += len(self._signal_subscribers) + len(self._list_subscribers)
 
@@ -174,10 +249,10 @@ class Broadcaster:
             subscriber.prime([(UNIQUE, batch, None) for batch in self.snapshot_batches()])
         elif snapshot:
             owed: list[QueueEntry] = []
-            for entry in list(self._latest.values()):
-                signal = self._snapshot_signal(entry)
+            for key, entry in self._live_entries():
+                signal = self._snapshot_signal(key, entry)
                 if signal is not None:
-                    owed.append((entry.job.key, signal, None))
+                    owed.append((key, signal, None))
             subscriber.prime(owed)
         self._set_of(kind).add(subscriber)
         return subscriber
@@ -196,7 +271,7 @@ class Broadcaster:
         )
         if snapshot:
             queue.prime(
-                [(e.job.key, QueuedEvent(e.job, e.uuid), None) for e in list(self._latest.values())]
+                [(key, QueuedEvent(e.job, e.uuid), None) for key, e in self._live_entries()]
             )
         self._event_queues.add(queue)
         return queue
@@ -224,10 +299,13 @@ class Broadcaster:
         report_time = self._now_ms()
         # Encoded first, so that a job dropped as unencodable is not in JobTotalNum.
         signals = [
-            (entry, self._snapshot_signal(entry, stripped=entry.job.npu_count > self._batch_npus))
-            for entry in list(self._latest.values())
+            (
+                entry,
+                self._snapshot_signal(key, entry, stripped=entry.job.npu_count > self._batch_npus),
+            )
+            for key, entry in self._live_entries()
         ]
-        total = len(self._latest)
+        total = self.job_count()
         batch: list[bytes] = []
         batch_npus = batch_bytes = 0
         for entry, signal in signals:
@@ -253,12 +331,39 @@ class Broadcaster:
             # client learns JobTotalNum = 0 and the ReportTime of the state.
             yield encode_signal_list(batch, report_time, total)
 
+    def _live_entries(self) -> list[tuple[JobKey, EncodedJob]]:
+        """The owner's live jobs, but those dropped, each with its cache entry:
+        reused while it holds the very object the owner does, else made anew."""
+        encoded, dropped = self._encoded, self._dropped
+        entries: list[tuple[JobKey, EncodedJob]] = []
+        still_dropped: list[JobKey] = []
+        for key, job in self._jobs.live_items():
+            if dropped and dropped.get(key) is job:
+                still_dropped.append(key)
+                continue
+            entry = encoded.get(key)
+            if entry is None or entry.job is not job:
+                entry = encoded[key] = EncodedJob(job)
+            entries.append((key, entry))
+        if len(encoded) > len(entries) or len(dropped) > len(still_dropped):
+            # The owner changed jobs without publishing their events (a store
+            # update that failed half-way): forget what was derived from them.
+            live = {key for key, _ in entries}
+            self._encoded = {key: entry for key, entry in encoded.items() if key in live}
+            self._dropped = {key: dropped[key] for key in still_dropped}
+        return entries
+
+    def _live_events(self) -> list[EncodedJob]:
+        return [entry for _, entry in self._live_entries()]
+
     def _signal(self, event: EncodedJob) -> bytes:
         if event.encoded is None:
             event.encoded = self._encode(event.job, event.uuid)
         return event.encoded
 
-    def _snapshot_signal(self, event: EncodedJob, *, stripped: bool = False) -> bytes | None:
+    def _snapshot_signal(
+        self, key: JobKey, event: EncodedJob, *, stripped: bool = False
+    ) -> bytes | None:
         """The event's signal (without its rank table if `stripped`) for a snapshot,
         or None, and the job dropped, if it cannot be encoded."""
         try:
@@ -266,14 +371,15 @@ class Broadcaster:
                 return encode_signal(event.job, event.uuid, strip_rank_table=True)
             return self._signal(event)
         except Exception:
-            self._drop(event, "snapshot")
+            self._drop(key, event, "snapshot")
             return None
 
-    def _drop(self, event: EncodedJob, step: str) -> None:
-        """Forget an event that cannot be sent (called from an `except` block)."""
-        key = event.job.key
-        if self._latest.get(key) is event:
-            del self._latest[key]  # a snapshot must not trip over it again
+    def _drop(self, key: JobKey, event: EncodedJob, step: str) -> None:
+        """Leave out an event that cannot be sent (called from an `except` block):
+        snapshots skip the job until its next event, instead of tripping over it again."""
+        if self._encoded.get(key) is event:
+            del self._encoded[key]
+            self._dropped[key] = event.job
         self.stats.events_dropped[step] += 1
         self._faults.error(
             f"event_{step}",

@@ -43,14 +43,13 @@ from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
 
-# Job events handed to `publish` between two checkpoints.
-PUBLISH_SLICE = 64
-# Work between two checkpoints while a LIST is applied, each about 5 ms:
-# characters of rank table parsed, ConfigMaps replaced in the store, and
-# ConfigMaps' worth of jobs recomputed.
+# Work between two checkpoints while a LIST is applied, each at most about
+# 5 ms: characters of rank table parsed, ConfigMaps replaced in the store, and
+# ConfigMaps' worth of jobs recomputed, whose events (at most one per job, so
+# at most that many) are published in the same step.
 PARSE_SLICE = 256 * 1024
 COMMIT_SLICE = 1000
-SETTLE_SLICE = 512
+SETTLE_SLICE = 64
 
 
 @dataclass(frozen=True)
@@ -95,8 +94,9 @@ class WatchCounters:
 
 
 # Where the watcher hands job events: `Broadcaster.publish` in a server. The
-# second argument is when the source saw them (trio's clock), for latency.
-Publish = Callable[[Sequence[JobSummary], float], None]
+# second argument is when the source saw them (trio's clock), for latency; the
+# third the store's count of live jobs after each (`Changes.live_counts`).
+Publish = Callable[[Sequence[JobSummary], float, Sequence[int]], None]
 
 
 class Watcher:
@@ -212,7 +212,7 @@ class Watcher:
                 await trio.lowlevel.checkpoint()
         except Exception:
             self._apply_failed("LIST of " + (namespace or "all namespaces"))
-        await self._publish(Changes(rejected=relist.rejected))
+        self._publish(Changes(rejected=relist.rejected))
         events = await self._settle()
         log.info(
             "LIST %s: %d ConfigMaps at resourceVersion %s, %d job events",
@@ -232,7 +232,7 @@ class Watcher:
             except Exception:
                 self._apply_failed("settling a LIST")
                 continue  # the failing job is no longer pending
-            await self._publish(changes)
+            self._publish(changes)
             published += len(changes.events)
             await trio.lowlevel.checkpoint()
         return published
@@ -270,7 +270,7 @@ class Watcher:
                         # Skip this event (its version still counts: it is not replayed).
                         self._apply_failed(f"{kind} event")
                     else:
-                        await self._publish(changes)
+                        self._publish(changes)
                 if new_version:
                     scope.version = new_version
                 scope.gone_streak = 0
@@ -293,17 +293,15 @@ class Watcher:
         else:
             self._faults.warning(problem.reason, "skipped ConfigMap: %s", problem)
 
-    async def _publish(self, changes: Changes) -> None:
+    def _publish(self, changes: Changes) -> None:
         for problem in changes.rejected:
             self._log_rejection(problem)
-        seen_at = trio.current_time()
-        # publish() never waits; a relist can emit thousands of events for
-        # thousands of subscribers, so hand them over in slices and let the
-        # streams write in between.
-        for start in range(0, len(changes.events), PUBLISH_SLICE):
-            if start:
-                await trio.lowlevel.checkpoint()
-            self._publish_events(changes.events[start : start + PUBLISH_SLICE], seen_at)
+        # Every event the store emitted is published before the next
+        # checkpoint: snapshots are built from the store's state, so a
+        # subscriber arriving in between would get an event its snapshot
+        # already holds. One store step emits few events (`SETTLE_SLICE`).
+        if changes.events:
+            self._publish_events(changes.events, trio.current_time(), changes.live_counts)
         for job in changes.events:
             log.debug(
                 "job event: %s/%s %s %s (%d NPUs)",

@@ -423,3 +423,27 @@ def encode_message(message: str) -> str:
     """A `grpc-message` header value (percent-encoded as gRPC requires)."""
     encoded: str = encode_grpc_message(message)
     return encoded
+
+
+# -- for tests: a connection's socket writes, grpclib's deferred clean-up ------------------------
+
+
+def transport_of(protocol: H2Protocol) -> asyncio.Transport:
+    """The socket transport a connection's frames are written to."""
+    transport: asyncio.Transport = protocol.connection._transport
+    return transport
+
+
+def collect_garbage() -> None:
+    """Make every grpclib server drop now what it keeps of closed connections.
+
+    grpclib forgets a closed connection's handler (with its finished request
+    tasks and streams) only at every tenth new connection, and a live
+    connection's finished tasks at every tenth request (grpclib.server._GC).
+    """
+    from grpclib._registry import servers  # (the live grpclib servers, a WeakSet)
+
+    for server in list(servers):
+        server.__gc_collect__()
+        for handler in server._handlers:
+            handler.__gc_collect__()

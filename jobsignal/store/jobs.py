@@ -15,6 +15,10 @@ the rank table is joined only when a complete set changes, and an unchanged
 rewrite costs one comparison. A relist is applied in steps (`Relist`, then
 `settle`) that a caller can interleave with checkpoints; `replace_all` does
 all steps at once.
+
+The store owns the latest state of every job (docs/architecture.md section
+4, "Who owns the job state"): the broadcaster builds snapshots from
+`live_items()` and keeps no copy of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import json
 import operator
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,14 +52,21 @@ Header = tuple[tuple[str, str], ...]
 
 @dataclass
 class Changes:
-    """What one store update produced: job events, in order, and rejected input."""
+    """What one store update produced: job events, in order, and rejected input.
+
+    `live_counts[i]` is the number of live jobs once `events[i]` was emitted
+    (a list message's JobTotalNum: the store has already moved past the
+    earlier events of the update when the broadcaster sends them).
+    """
 
     events: list[JobSummary] = field(default_factory=list)
     rejected: list[BadConfigMap] = field(default_factory=list)
+    live_counts: list[int] = field(default_factory=list)
 
     def extend(self, other: Changes) -> None:
         self.events += other.events
         self.rejected += other.rejected
+        self.live_counts += other.live_counts
 
 
 def checked_parse(configmap: Mapping[str, Any], ref: ConfigMapRef) -> Slice:
@@ -219,7 +230,9 @@ class JobStore:
         self._jobs: dict[JobKey, JobSlices] = {}
         # Last state emitted per job, including jobs reported deleted whose
         # ConfigMaps still exist (ClusterD removes them a minute or two later).
+        # The one record of the jobs' latest state: snapshots are built from it.
         self._emitted: dict[JobKey, JobSummary] = {}
+        self._live_count = 0  # entries of _emitted not reported deleted
         # Jobs a relist changed, recomputed by `settle` in key order.
         self._pending: dict[JobKey, _Pending] = {}
         self._pending_order: deque[JobKey] = deque()
@@ -231,8 +244,12 @@ class JobStore:
         """Current state of every job not reported as deleted, in first-seen order."""
         return [job for job in self._emitted.values() if not job.is_deleted]
 
+    def live_items(self) -> Iterator[tuple[JobKey, JobSummary]]:
+        """`live_jobs()` with their keys, lazily: consume it before the store changes."""
+        return ((key, job) for key, job in self._emitted.items() if not job.is_deleted)
+
     def live_job_count(self) -> int:
-        return sum(1 for job in self._emitted.values() if not job.is_deleted)
+        return self._live_count
 
     def configmap_count(self) -> int:
         return len(self._slices)
@@ -415,17 +432,32 @@ class JobStore:
         previous = self._emitted.get(key)
         if state is not None:
             if state != previous:
-                self._emitted[key] = state
+                self._record(key, previous, state)
                 # A delete matters only to clients that saw the job live; a
                 # job first seen already deleted is recorded silently.
                 if not state.is_deleted or (previous is not None and not previous.is_deleted):
-                    changes.events.append(state)
+                    self._emit(changes, state)
         elif key in lost and previous is not None and not previous.is_deleted:
             ended = previous.as_deleted(str(int(now)))
-            self._emitted[key] = ended
-            changes.events.append(ended)
+            self._record(key, previous, ended)
+            self._emit(changes, ended)
         if group is None:
+            self._record(key, self._emitted.get(key), None)
+
+    def _record(self, key: JobKey, previous: JobSummary | None, state: JobSummary | None) -> None:
+        """Make `state` the job's last emitted state (None: forget the job)."""
+        if previous is not None and not previous.is_deleted:
+            self._live_count -= 1
+        if state is None:
             self._emitted.pop(key, None)
+        else:
+            self._emitted[key] = state
+            if not state.is_deleted:
+                self._live_count += 1
+
+    def _emit(self, changes: Changes, state: JobSummary) -> None:
+        changes.events.append(state)
+        changes.live_counts.append(self._live_count)
 
 
 class Relist:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from .test_manifests import (
+from tests.support.manifests import (
     COMPONENT_PURPOSES,
     KUBE,
     ROOT_KUSTOMIZATIONS,

@@ -31,9 +31,9 @@ from hypothesis import strategies as st
 
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.store import JobStore, JobSummary
+from jobsignal.store import JobKey, JobStore, JobSummary
 from jobsignal.store.configmap import SERVER_LIST_KEY, BadConfigMap, Slice, parse_slice
-from jobsignal.store.jobs import ADDED, DELETED, MODIFIED, JobSlices
+from jobsignal.store.jobs import ADDED, DELETED, MODIFIED, Changes, JobSlices
 from jobsignal.store.strict_json import MAX_DEPTH
 from tests.support.factories import configmap
 
@@ -253,16 +253,23 @@ def test_poison_never_escapes_the_store_boundary(steps: list[Any]) -> None:
 
 async def _drive(steps: list[Any]) -> None:
     store = JobStore()
-    broadcaster = Broadcaster(max_pending=100_000)
+    broadcaster = Broadcaster(max_pending=100_000, jobs=store)
     signals = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "s", snapshot=True)
     lists = broadcaster.subscribe(StreamKind.LIST, "FdAgent", "l", snapshot=True)
     cluster: dict[tuple[str, str], dict[str, Any]] = {}
     written = 0
+    live: set[JobKey] = set()  # the live jobs, replayed from the events
 
-    def publish(events: list[JobSummary]) -> None:
-        for event in events:
+    def publish(changes: Changes) -> None:
+        assert len(changes.live_counts) == len(changes.events)
+        for event, count in zip(changes.events, changes.live_counts, strict=True):
             check_event(event)
-        broadcaster.publish(events)
+            if event.is_deleted:
+                live.discard(event.key)
+            else:
+                live.add(event.key)
+            assert count == len(live)
+        broadcaster.publish(changes.events, 0.0, changes.live_counts)
 
     for action, namespace, writes, budget in steps:
         if action == "write":
@@ -271,23 +278,24 @@ async def _drive(steps: list[Any]) -> None:
                 kind = MODIFIED if ref in cluster else ADDED
                 cluster[ref] = configmap(namespace, name, data)
                 written += 1
-                publish(store.apply(kind, cluster[ref], NOW).events)
+                publish(store.apply(kind, cluster[ref], NOW))
         elif action == "delete" and (namespace, writes[0][0]) in cluster:
-            publish(store.apply(DELETED, cluster.pop((namespace, writes[0][0])), NOW).events)
+            publish(store.apply(DELETED, cluster.pop((namespace, writes[0][0])), NOW))
         elif action == "relist":
-            publish(store.replace_all(list(cluster.values()), NOW).events)
+            publish(store.replace_all(list(cluster.values()), NOW))
         elif action == "partial_relist":
             relist = store.relist(namespace)
             for obj in cluster.values():
                 relist.add(obj)
             while not relist.commit(NOW, budget):
                 pass
-            publish(store.settle(budget).events)  # the rest waits; later events overtake it
+            publish(store.settle(budget))  # the rest waits; later events overtake it
         assert store.configmap_count() <= min(len(cluster), written)
         assert store.live_job_count() <= store.job_count() <= store.configmap_count()
-    publish(store.settle().events)
+        assert store.live_job_count() == len(store.live_jobs()) == len(live)
+    publish(store.settle())
     assert store.pending == 0
-    publish(store.replace_all(list(cluster.values()), NOW).events)
+    publish(store.replace_all(list(cluster.values()), NOW))
 
     assert broadcaster.stats.events_dropped == {}
     assert broadcaster.job_count() == store.live_job_count()

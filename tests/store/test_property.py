@@ -66,7 +66,7 @@ def test_subscribers_converge_to_the_cluster_state(steps: list[Any]) -> None:
 
 async def _run(steps: list[Any]) -> None:
     store = JobStore()
-    broadcaster = Broadcaster(max_pending=10_000)
+    broadcaster = Broadcaster(max_pending=10_000, jobs=store)
     subscriber = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "id", snapshot=True)
     cluster: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -111,3 +111,9 @@ async def _run(steps: list[Any]) -> None:
                 view[key] = (signal.job_status, signal.hccl_json, signal.total)
     assert view == expected_view(cluster)
     assert {(j.namespace, j.job_id) for j in store.live_jobs()} == set(view)
+    # A subscriber arriving now gets the same view from the store's state.
+    late = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "late", snapshot=True)
+    snapshot = (
+        [JobSummarySignal.parse(f) for f in await late.next_batch(10_000)] if late.pending else []
+    )
+    assert {(s.namespace, s.job_id): (s.job_status, s.hccl_json, s.total) for s in snapshot} == view

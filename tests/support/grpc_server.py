@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-from grpclib._registry import servers as grpclib_servers
 
 from jobsignal.fanout import Broadcaster, Subscriber
+from jobsignal.rpc import _grpclib
 from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
@@ -122,7 +122,7 @@ async def open_jobsignal_server(
 def count_writes(connections: ConnectionTable) -> list[int]:
     """From now on, the size of every write to the server's one connection's socket."""
     (protocol,) = connections.protocols()
-    transport = protocol.connection._transport
+    transport = _grpclib.transport_of(protocol)
     writes: list[int] = []
     write = transport.write
 
@@ -135,14 +135,6 @@ def count_writes(connections: ConnectionTable) -> list[int]:
 
 
 def collect_grpclib_garbage() -> None:
-    """Let grpclib drop what it keeps of closed connections now.
-
-    grpclib forgets a closed connection's handler (with its finished request
-    tasks and streams) only at every tenth new connection, and a live
-    connection's finished tasks at every tenth request (grpclib.server._GC):
-    bounded, but it would blur a measurement of what the server really keeps.
-    """
-    for grpc_server in list(grpclib_servers):
-        grpc_server.__gc_collect__()
-        for handler in grpc_server._handlers:
-            handler.__gc_collect__()
+    """Let grpclib drop what it keeps of closed connections now: its deferred
+    clean-up would blur a measurement of what the server really keeps."""
+    _grpclib.collect_garbage()

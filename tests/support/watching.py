@@ -9,7 +9,7 @@ and records every request it sends; `open_source` runs the source as
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,10 +99,19 @@ async def open_watcher(
     read_timeout: float = 90.0,
     rng: Callable[[], float] = lambda: 0.5,
     on_response: Callable[[httpx.Response], None] | None = None,
+    on_publish: Callable[[Sequence[JobSummary]], None] | None = None,
 ) -> AsyncIterator[WatchHarness]:
-    """A Watcher on `emu` over real HTTP, observed through a Broadcaster subscriber."""
+    """A Watcher on `emu` over real HTTP, observed through a Broadcaster subscriber;
+    `on_publish` sees every batch of job events the watcher publishes, first."""
     settings = WatchSettings() if settings is None else settings
-    store, broadcaster, status = JobStore(), Broadcaster(), SourceStatus()
+    store, status = JobStore(), SourceStatus()
+    broadcaster = Broadcaster(jobs=store)
+
+    def publish(jobs: Sequence[JobSummary], seen_at: float, live_counts: Sequence[int]) -> None:
+        if on_publish is not None:
+            on_publish(jobs)
+        broadcaster.publish(jobs, seen_at, live_counts)
+
     sent: list[tuple[float, str, dict[str, str]]] = []
 
     async def record_request(request: httpx.Request) -> None:
@@ -130,7 +139,7 @@ async def open_watcher(
         watcher = Watcher(
             api,
             store,
-            broadcaster.publish,
+            publish,
             status,
             settings,
             credentials=credentials,
@@ -180,7 +189,8 @@ async def open_source(
     )
     connection = choose_connection(config, {})
     assert connection is not None
-    store, broadcaster, status = JobStore(), Broadcaster(), SourceStatus()
+    store, status = JobStore(), SourceStatus()
+    broadcaster = Broadcaster(jobs=store)
     log = SignalLog(broadcaster)
     crashes: list[BaseException] = []
 
