@@ -51,7 +51,7 @@ from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.guard import ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.limits import ConnectionCounter, Limits
-from jobsignal.rpc.output import ConnectionOutput
+from jobsignal.rpc.output import ConnectionOutput, TurnFlusher
 from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class ConnectionTable:
         self.limits = limits or Limits()
         self.protocol_limits = protocol_limits or ProtocolLimits()
         self.counter = ConnectionCounter(self.limits)
+        self.flusher = TurnFlusher()
         self._protocols: dict[Connection, ObservedH2Protocol] = {}
         # Every connection with an open transport, refused ones included: the
         # server closes all of them when it stops, or their sockets would leak.
@@ -198,7 +199,7 @@ class ObservedH2Protocol(H2Protocol):
         self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.activity = ConnectionActivity(self._table.ping_policy, self.peer, self.ip)
-        self.output = ConnectionOutput(self.connection)
+        self.output = ConnectionOutput(self.connection, self._table.flusher)
         self.budget = ConnectionBudget(self._limits, trio.current_time())
         # Held, not looked up: a write from `publish` (a trio task outside any
         # asyncio context) can fill the socket and call pause_writing.

@@ -1,7 +1,9 @@
-"""One connection's output: writes coalesced per loop turn, waiting streams served in turn.
+"""Connections' output: writes coalesced per loop turn, waiting streams served in turn.
 
 Every stream that writes in the same loop turn shares one system call (a
-publish to many subscribers of one connection is one write). Streams that
+publish to many subscribers of one connection is one write); one callback at
+the end of the turn (`TurnFlusher`) writes every connection that has output
+due, so a publish to a thousand connections schedules one, not a thousand. Streams that
 must wait for HTTP/2 flow control (the connection's window, their own, or a
 socket the peer does not read) queue here and are served round-robin, at
 most `QUANTUM` bytes each per round and `TURN_BUDGET` bytes per loop turn,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +29,12 @@ import trio
 from grpclib.exceptions import StreamTerminatedError
 from grpclib.protocol import Connection
 
+from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.lean import Fifo
+
+log = logging.getLogger(__name__)
+_faults = RateLimitedLog(log)
 
 Stream = grpclib.server.Stream[Any, Any]
 
@@ -46,11 +53,45 @@ class _Waiting:
     done: trio.Event = field(default_factory=trio.Event)
 
 
-class ConnectionOutput:
-    __slots__ = ("_connection", "_flush_scheduled", "_loop", "_pump_scheduled", "_waiting")
+class TurnFlusher:
+    """Writes the output due on any connection at the end of the loop turn, in one
+    callback (a callback per connection and turn cost more than the h2 framing)."""
 
-    def __init__(self, connection: Connection) -> None:
+    __slots__ = ("_due", "_scheduled")
+
+    def __init__(self) -> None:
+        self._due: list[ConnectionOutput] = []
+        self._scheduled = False
+
+    def due(self, output: ConnectionOutput, loop: asyncio.AbstractEventLoop) -> None:
+        self._due.append(output)
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush_all)
+
+    def _flush_all(self) -> None:
+        self._scheduled = False
+        due, self._due = self._due, []
+        for output in due:
+            try:
+                output.flush_due()
+            except Exception:  # one connection's failure must not keep the others' output
+                _faults.error("flush", "writing a connection's output failed", exc_info=True)
+
+
+class ConnectionOutput:
+    __slots__ = (
+        "_connection",
+        "_flush_scheduled",
+        "_flusher",
+        "_loop",
+        "_pump_scheduled",
+        "_waiting",
+    )
+
+    def __init__(self, connection: Connection, flusher: TurnFlusher) -> None:
         self._connection = connection
+        self._flusher = flusher
         # Held, not looked up: writes also come from trio tasks outside any asyncio context.
         self._loop = asyncio.get_running_loop()
         self._flush_scheduled = False
@@ -67,7 +108,7 @@ class ConnectionOutput:
         """Write the connection's queued frames at the end of this loop turn."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+            self._flusher.due(self, self._loop)
 
     def flush_first_now(self) -> None:
         """Write the connection's queued frames now if nothing is due at the end of
@@ -81,7 +122,8 @@ class ConnectionOutput:
         if not self._connection.is_closing():
             self._connection.flush()
 
-    def _flush(self) -> None:
+    def flush_due(self) -> None:
+        """The end of the turn (`TurnFlusher`): write what was queued since."""
         self._flush_scheduled = False
         self._flush_now()
 
