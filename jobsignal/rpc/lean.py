@@ -10,9 +10,10 @@ of these two, which support exactly the operations their owners perform:
   a setting's current and unacknowledged values in h2, the futures waiting
   on one asyncio Event or Queue. Its `popleft` moves the rest up, so it is
   not for anything a peer can fill.
-- `Fifo`, first in first out with amortized O(1) ends, for data a peer can
-  fill with many small frames: asyncio.Queue's items and grpclib's
-  acknowledged chunks of a stream (and `rpc.output`'s waiting streams);
+- `Fifo` (`jobsignal.fifo`, shared with the subscribers' queues), first in
+  first out with amortized O(1) ends, for data a peer can fill with many
+  small frames: asyncio.Queue's items and grpclib's acknowledged chunks of a
+  stream (and `rpc.output`'s waiting streams);
 - `NewestFirst`, the same the other way round, for HPACK's dynamic tables:
   an entry is added at index 0 and the oldest evicted from the end.
 
@@ -23,9 +24,12 @@ about 1.3 KB per connection each).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
+
+from jobsignal.fifo import Fifo
+
+__all__ = ["Fifo", "MethodTable", "NewestFirst", "SmallDeque"]
 
 T = TypeVar("T")
 
@@ -37,75 +41,6 @@ class SmallDeque(list[T]):
 
     def popleft(self) -> T:
         return self.pop(0)
-
-
-class Fifo(Generic[T]):
-    """A queue: `append` at the back, `popleft` from the front, both O(1) amortized.
-
-    Items taken from the front leave a gap at the head of one list, which is
-    cut off once it is half the list, so each item is moved at most a few times.
-    """
-
-    __slots__ = ("_head", "_items")
-
-    def __init__(self, items: Iterable[T] = ()) -> None:
-        self._items: list[Any] = list(items)
-        self._head = 0
-
-    def __len__(self) -> int:
-        return len(self._items) - self._head
-
-    def __bool__(self) -> bool:
-        return len(self._items) > self._head
-
-    def __iter__(self) -> Iterator[T]:
-        return itertools.islice(self._items, self._head, None)
-
-    def __reversed__(self) -> Iterator[T]:
-        items = self._items
-        return (items[i] for i in range(len(items) - 1, self._head - 1, -1))
-
-    def __repr__(self) -> str:
-        return f"Fifo({list(self)!r})"
-
-    def _position(self, index: int) -> int:
-        size = len(self)
-        if index < 0:
-            index += size
-        if not 0 <= index < size:
-            raise IndexError("Fifo index out of range")
-        return self._head + index
-
-    def __getitem__(self, index: int) -> T:
-        item: T = self._items[self._position(index)]
-        return item
-
-    def __setitem__(self, index: int, item: T) -> None:
-        self._items[self._position(index)] = item
-
-    def append(self, item: T) -> None:
-        self._items.append(item)
-
-    def popleft(self) -> T:
-        items, head = self._items, self._head
-        if head >= len(items):
-            raise IndexError("pop from an empty Fifo")
-        item: T = items[head]
-        items[head] = None  # the queue no longer keeps it alive
-        head += 1
-        if 2 * head >= len(items):
-            del items[:head]
-            head = 0
-        self._head = head
-        return item
-
-    def remove(self, item: T) -> None:
-        """Remove the first occurrence of `item` (ValueError if absent)."""
-        del self._items[self._items.index(item, self._head)]
-
-    def clear(self) -> None:
-        self._items.clear()
-        self._head = 0
 
 
 class NewestFirst(Generic[T]):
