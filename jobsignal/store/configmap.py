@@ -12,7 +12,6 @@ and a detail that quotes at most about 200 characters of any value.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -227,23 +226,24 @@ _JSON_REASONS = {
 }
 
 
-def _compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
 def _parse_rank_table(
     ref: ConfigMapRef, raw: str, *, split: bool
 ) -> tuple[tuple[tuple[str, str], ...] | None, tuple[str, ...], int]:
     """Validate hccl.json; return (header, servers, NPU count).
 
     With `split` the header and servers come back as compact JSON pieces for
-    reassembly; without it (a single-ConfigMap job, whose text is served as
-    it is) they stay empty, which saves re-encoding every server.
+    reassembly (a server written compactly is its own text, not re-encoded);
+    without it (a single-ConfigMap job, whose text is served as it is) they
+    stay empty.
     """
     if not raw.strip():
         return None, (), 0
+    server_texts: list[str] | None = None
     try:
-        table = strict_json.loads(raw)
+        if split:
+            table, server_texts = strict_json.loads_items(raw, SERVER_LIST_KEY)
+        else:
+            table = strict_json.loads(raw)
     except strict_json.NotStrictJson as error:
         raise BadConfigMap(_JSON_REASONS[error.reason], f"{ref}: hccl.json: {error}") from None
     if not isinstance(table, dict):
@@ -258,7 +258,7 @@ def _parse_rank_table(
     if not split:
         return (), (), npu_count
     header = tuple(
-        (key, SERVER_LIST_SLOT if key == SERVER_LIST_KEY else _compact(value))
+        (key, SERVER_LIST_SLOT if key == SERVER_LIST_KEY else strict_json.compact(value))
         for key, value in table.items()
     )
-    return header, tuple(_compact(s) for s in server_list), npu_count
+    return header, tuple(server_texts or ()), npu_count
