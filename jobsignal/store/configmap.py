@@ -112,6 +112,11 @@ class Slice:
     servers: tuple[str, ...]
     npu_count: int
 
+    @property
+    def split(self) -> bool:
+        """Whether the job is split over several ConfigMaps (the table taken apart)."""
+        return self.fields.total > 1
+
 
 SERVER_LIST_KEY = "server_list"
 SERVER_LIST_SLOT = ""
@@ -147,7 +152,10 @@ def is_utf8(value: str) -> bool:
     return True
 
 
-def parse_slice(configmap: Mapping[str, Any]) -> Slice:
+def parse_slice(configmap: Mapping[str, Any], previous: Slice | None = None) -> Slice:
+    """Validate `configmap` into a slice. `previous`, the slice of the version it
+    replaces, lends its parsed rank table when the text is the same (ClusterD
+    rewrites a job's ConfigMaps on each status change with an unchanged table)."""
     ref = configmap_ref(configmap)
     data = configmap.get("data") or {}
     if not isinstance(data, Mapping):
@@ -195,7 +203,12 @@ def parse_slice(configmap: Mapping[str, Any]) -> Slice:
     if not hccl_raw.strip():
         hccl_raw = ""  # blank means no table: never serve whitespace as JSON
     # Only a job split over several ConfigMaps needs its table taken apart.
-    header, servers, npu_count = _parse_rank_table(ref, hccl_raw, split=total > 1)
+    split = total > 1
+    if previous is not None and previous.hccl_raw == hccl_raw and previous.split == split:
+        # Validated before, and taken apart the same way: share its pieces.
+        header, servers, npu_count = previous.header, previous.servers, previous.npu_count
+        return Slice(ref, fields, cm_index, previous.hccl_raw, header, servers, npu_count)
+    header, servers, npu_count = _parse_rank_table(ref, hccl_raw, split=split)
     return Slice(ref, fields, cm_index, hccl_raw, header, servers, npu_count)
 
 
