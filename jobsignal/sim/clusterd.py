@@ -8,7 +8,6 @@ ConfigMaps, each holding the full header and a slice of `server_list`.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass, field
 
@@ -28,6 +27,20 @@ class ClusterdJob:
     servers_per_configmap: int = 1000
     created: int = 1_700_000_000
     extra_server_keys: dict[str, str] = field(default_factory=dict)
+    # Each ConfigMap's hccl.json while the job has servers, built with the job,
+    # as ClusterD has its rank table before it writes: a status change rewrites
+    # the ConfigMaps with the same table, and building a 40,000-NPU table in
+    # Python takes longer than writing it.
+    rank_tables: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        servers = self.server_list()
+        per = self.servers_per_configmap
+        tables = tuple(
+            self._rank_table(servers[index * per : (index + 1) * per])
+            for index in range(self.configmap_count)
+        )
+        object.__setattr__(self, "rank_tables", tables)
 
     @property
     def configmap_count(self) -> int:
@@ -68,18 +81,6 @@ class ClusterdJob:
         }
         return json.dumps(hccl, separators=(",", ":"))
 
-    @functools.cached_property
-    def _rank_tables(self) -> tuple[str, ...]:
-        """Each ConfigMap's hccl.json while the job has servers. Built once: a
-        status change rewrites the job's ConfigMaps with the same rank table,
-        and building a 40,000-NPU table in Python takes longer than writing it."""
-        servers = self.server_list()
-        per = self.servers_per_configmap
-        return tuple(
-            self._rank_table(servers[index * per : (index + 1) * per])
-            for index in range(self.configmap_count)
-        )
-
     def configmaps(
         self, status: str, operator: str = "add", delete_time: int | None = None
     ) -> list[tuple[str, dict[str, str]]]:
@@ -90,7 +91,7 @@ class ClusterdJob:
             if status == "pending":
                 hccl = _INITIALIZING
             elif status in ("running", "complete", "failed"):
-                hccl = self._rank_tables[index]
+                hccl = self.rank_tables[index]
             else:
                 hccl = self._rank_table([])
             data = {
