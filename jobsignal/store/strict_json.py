@@ -89,32 +89,33 @@ def loads(text: str, *, max_depth: int = MAX_DEPTH) -> Any:
 
 
 def loads_items(text: str, key: str, *, max_depth: int = MAX_DEPTH) -> tuple[Any, list[str] | None]:
-    """`loads(text)`, and when that is an object whose `key` holds a list, the
-    list's items, each as `compact` encodes it (None otherwise).
+    """`loads(text)`, and when that is an object whose `key` holds a list of
+    objects, those objects, each as `compact` encodes it (None otherwise).
 
-    The object is decoded member by member and the list item by item, so each
-    item's place in `text` is known; when `text` is written compactly (no
-    whitespace, no escapes, no fraction, exponent or -0, no repeated key) it
-    is the object's compact encoding, and the items are cut out of it instead
-    of encoded again. Anything other than an object goes through `loads`,
-    with the same checks and errors.
+    Text without whitespace or escapes is decoded member by member and the
+    list item by item, so each item's place in it is known; when it is the
+    object's compact encoding (no fraction, exponent or -0 either, and no
+    repeated key) the items are cut out of it instead of encoded again.
+    Everything else goes through `loads`, with the same checks and errors.
     """
     scan = _Scan()
-    scanned = scan.object(text, key)
+    scanned = None if _has_space_or_escape(text) else scan.object(text, key)
     if scanned is None:
         value = loads(text, max_depth=max_depth)
         items = value.get(key) if type(value) is dict else None
-        return value, [compact(item) for item in items] if type(items) is list else None
+        if type(items) is not list or not all(type(item) is dict for item in items):
+            return value, None
+        return value, [compact(item) for item in items]
     table, spans = scanned
     members = _members(table, max_depth)
     if members < 0:
         raise _too_deep(max_depth)
-    _check_escapes(text, table)
+    # (Text without a backslash holds no escaped surrogate.)
     if spans is None:
         return table, None
     # Without escapes every '"' delimits a string, so '":' ends a key: as many
     # as the decoded objects' members means that no key was repeated.
-    if scan.as_encoded and not _has_space_or_escape(text) and text.count('":') == members:
+    if scan.as_encoded and text.count('":') == members:
         return table, [text[start:end] for start, end in spans]
     return table, [compact(item) for item in table[key]]
 
@@ -172,28 +173,22 @@ def _encodes(value: Any) -> bool:
     return True
 
 
-# -- decoding an object member by member -------------------------------------------------
-
-_SPACES = " \t\n\r"  # JSON's whitespace
-_NOT_SPACE = re.compile(f"[^{_SPACES}]")
-
-
-def _skip(text: str, at: int = 0) -> int:
-    """Where the first character at or after `at` that is not whitespace is."""
-    found = _NOT_SPACE.search(text, at)
-    return found.start() if found is not None else len(text)
-
+# -- decoding compact text member by member --------------------------------------------
 
 Spans = list[tuple[int, int]]
 
 
 def _has_space_or_escape(text: str) -> bool:
-    return any(char in text for char in _SPACES + "\\")
+    return any(char in text for char in " \t\n\r\\")  # JSON's whitespace, a backslash
+
+
+class _NotObjects(ValueError):
+    pass
 
 
 class _Scan:
-    """One member-by-member decoding, noting number literals that `compact`
-    would write differently (a fraction or exponent, -0)."""
+    """One member-by-member decoding of text without whitespace, noting number
+    literals that `compact` would write differently (a fraction or exponent, -0)."""
 
     def __init__(self) -> None:
         self.as_encoded = True
@@ -215,8 +210,10 @@ class _Scan:
 
         Returns the object, as `json.loads` makes it (a repeated name keeps its
         first place and its last value), and where each item of `key`'s list
-        starts and ends in `text` (None when `key` holds no list); None when
-        `text` is not an object or not valid strict JSON, for `loads` to judge.
+        starts and ends in `text` (None when `key` holds no list). None when
+        `text` is not an object, not valid strict JSON, has whitespace between
+        the members or the items, or `key`'s list holds other things than
+        objects: for `loads` to judge.
         """
         try:
             return self._members(text, key)
@@ -224,13 +221,12 @@ class _Scan:
             return None
 
     def _members(self, text: str, key: str) -> tuple[dict[str, Any], Spans | None] | None:
-        skip, decode = _skip, self._decode
-        at = skip(text)
-        if text[at : at + 1] != "{":
+        decode = self._decode
+        if text[:1] != "{":
             return None
-        at = skip(text, at + 1)
         table: dict[str, Any] = {}
         spans: Spans | None = None
+        at = 1
         if text[at] == "}":
             at += 1
         else:
@@ -238,46 +234,39 @@ class _Scan:
                 if text[at] != '"':
                     return None
                 name, at = decode(text, at)
-                at = skip(text, at)
                 if text[at] != ":":
                     return None
-                at = skip(text, at + 1)
-                if name == key and text[at] == "[":
-                    table[name], spans, at = self._list(text, at)
+                if name == key and text[at + 1] == "[":
+                    table[name], spans, at = self._list(text, at + 1)
                 else:
-                    table[name], at = decode(text, at)
+                    table[name], at = decode(text, at + 1)
                     if name == key:
                         spans = None  # the last value counts, as in json.loads
-                at = skip(text, at)
                 if text[at] == ",":
-                    at = skip(text, at + 1)
+                    at += 1
                 elif text[at] == "}":
                     at += 1
                     break
                 else:
                     return None
-        if skip(text, at) != len(text):
-            return None
-        return table, spans
+        return (table, spans) if at == len(text) else None
 
     def _list(self, text: str, at: int) -> tuple[list[Any], Spans, int]:
         """Decode the list at `text[at]` ("["): its items, their spans, its end."""
-        skip, decode = _skip, self._decode
+        decode = self._decode
         items: list[Any] = []
         spans: Spans = []
-        at = skip(text, at + 1)
-        if text[at] == "]":
-            return items, spans, at + 1
+        if text[at + 1] == "]":
+            return items, spans, at + 2
+        at += 1
         while True:
             item, end = decode(text, at)
+            if type(item) is not dict:
+                raise _NotObjects  # not for cutting out: let `loads` decide
             items.append(item)
             spans.append((at, end))
-            if text[end] != ",":  # compact text goes straight on to the next item
-                end = skip(text, end)
-                if text[end] == "]":
-                    return items, spans, end + 1
-                if text[end] != ",":
-                    raise ValueError("expected , or ]")
+            if text[end] == "]":
+                return items, spans, end + 1
+            if text[end] != ",":
+                raise ValueError("expected , or ]")
             at = end + 1
-            if text[at] in _SPACES:
-                at = skip(text, at)

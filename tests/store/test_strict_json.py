@@ -1,6 +1,6 @@
-"""strict_json.loads_items: the same decoding, checks and errors as `loads`, and a
-list's items as exactly the text `compact` makes of them, whether they were cut
-out of the input (written compactly) or encoded again (anything else)."""
+"""strict_json.loads_items: the same decoding, checks and errors as `loads`, and
+the objects of a list as exactly the text `compact` makes of them, whether they
+were cut out of the input (written compactly) or encoded again (anything else)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,9 @@ def expected(text: str, **kwargs: Any) -> tuple[str, Any]:
     def decode() -> tuple[Any, list[str] | None]:
         value = loads(text, **kwargs)
         items = value.get(KEY) if isinstance(value, dict) else None
-        return value, [compact(item) for item in items] if isinstance(items, list) else None
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            return value, None
+        return value, [compact(item) for item in items]
 
     return outcome(decode)
 
@@ -136,11 +138,14 @@ def test_loads_items_agrees_with_loads_and_compact(table: Node, style: str) -> N
             '{"server_list":[{"n":-0},{"f":1.50},{"e":1E2}]}',
             ['{"n":0}', '{"f":1.5}', '{"e":100.0}'],
         ),
+        ('{"server_list":[{"n":-0}]}', ['{"n":0}']),
+        ('{"server_list":[{"f":2.5}]}', ['{"f":2.5}']),
         ('{"server_list":[ {"a" : "x y"} ]}', ['{"a":"x y"}']),
         ('{"server_list":[{"a":"\\u00e9\\/"}]}', ['{"a":"é/"}']),
         ('{"server_list":[1],"server_list":[{"a":2}]}', ['{"a":2}']),  # the last one counts
         ('{"server_list":[{"a":1}],"server_list":"x"}', None),
         ('{"server_list":[]}', []),
+        ('{"server_list":[{"a":1},2]}', None),  # not a list of objects
         ('{"status":"initializing"}', None),
         ("[1,2]", None),
     ],
