@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 JOB_LABELS = {"outside-job-info": "true", "ring-controller.atlas": "ascend-910"}
+_INITIALIZING = json.dumps({"status": "initializing"}, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,20 @@ class ClusterdJob:
     servers_per_configmap: int = 1000
     created: int = 1_700_000_000
     extra_server_keys: dict[str, str] = field(default_factory=dict)
+    # Each ConfigMap's hccl.json while the job has servers, built with the job,
+    # as ClusterD has its rank table before it writes: a status change rewrites
+    # the ConfigMaps with the same table, and building a 40,000-NPU table in
+    # Python takes longer than writing it.
+    rank_tables: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        servers = self.server_list()
+        per = self.servers_per_configmap
+        tables = tuple(
+            self._rank_table(servers[index * per : (index + 1) * per])
+            for index in range(self.configmap_count)
+        )
+        object.__setattr__(self, "rank_tables", tables)
 
     @property
     def configmap_count(self) -> int:
@@ -57,26 +72,28 @@ class ClusterdJob:
             )
         return servers
 
+    def _rank_table(self, servers: list[dict[str, object]]) -> str:
+        hccl = {
+            "status": "complete",
+            "server_list": servers,
+            "server_count": str(self.servers),
+            "total": self.servers * self.devices_per_server,
+        }
+        return json.dumps(hccl, separators=(",", ":"))
+
     def configmaps(
         self, status: str, operator: str = "add", delete_time: int | None = None
     ) -> list[tuple[str, dict[str, str]]]:
         """(name, data) of every ConfigMap of the job in the given state."""
         total = self.configmap_count
-        servers = self.server_list() if status in ("running", "complete", "failed") else []
         result = []
         for index in range(total):
             if status == "pending":
-                hccl: dict[str, object] = {"status": "initializing"}
+                hccl = _INITIALIZING
+            elif status in ("running", "complete", "failed"):
+                hccl = self.rank_tables[index]
             else:
-                chunk = servers[
-                    index * self.servers_per_configmap : (index + 1) * self.servers_per_configmap
-                ]
-                hccl = {
-                    "status": "complete",
-                    "server_list": chunk,
-                    "server_count": str(self.servers),
-                    "total": self.servers * self.devices_per_server,
-                }
+                hccl = self._rank_table([])
             data = {
                 "job_id": self.uid,
                 "job_name": self.name,
@@ -84,7 +101,7 @@ class ClusterdJob:
                 "job_status": status,
                 "cm_index": str(index),
                 "total": str(total),
-                "hccl.json": json.dumps(hccl, separators=(",", ":")),
+                "hccl.json": hccl,
                 "operator": operator,
                 "time": str(self.created),
                 "deleteTime": str(delete_time) if delete_time is not None else "",

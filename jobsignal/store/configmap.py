@@ -12,7 +12,6 @@ and a detail that quotes at most about 200 characters of any value.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -113,6 +112,11 @@ class Slice:
     servers: tuple[str, ...]
     npu_count: int
 
+    @property
+    def split(self) -> bool:
+        """Whether the job is split over several ConfigMaps (the table taken apart)."""
+        return self.fields.total > 1
+
 
 SERVER_LIST_KEY = "server_list"
 SERVER_LIST_SLOT = ""
@@ -148,7 +152,10 @@ def is_utf8(value: str) -> bool:
     return True
 
 
-def parse_slice(configmap: Mapping[str, Any]) -> Slice:
+def parse_slice(configmap: Mapping[str, Any], previous: Slice | None = None) -> Slice:
+    """Validate `configmap` into a slice. `previous`, the slice of the version it
+    replaces, lends its parsed rank table when the text is the same (ClusterD
+    rewrites a job's ConfigMaps on each status change with an unchanged table)."""
     ref = configmap_ref(configmap)
     data = configmap.get("data") or {}
     if not isinstance(data, Mapping):
@@ -196,7 +203,12 @@ def parse_slice(configmap: Mapping[str, Any]) -> Slice:
     if not hccl_raw.strip():
         hccl_raw = ""  # blank means no table: never serve whitespace as JSON
     # Only a job split over several ConfigMaps needs its table taken apart.
-    header, servers, npu_count = _parse_rank_table(ref, hccl_raw, split=total > 1)
+    split = total > 1
+    if previous is not None and previous.hccl_raw == hccl_raw and previous.split == split:
+        # Validated before, and taken apart the same way: share its pieces.
+        header, servers, npu_count = previous.header, previous.servers, previous.npu_count
+        return Slice(ref, fields, cm_index, previous.hccl_raw, header, servers, npu_count)
+    header, servers, npu_count = _parse_rank_table(ref, hccl_raw, split=split)
     return Slice(ref, fields, cm_index, hccl_raw, header, servers, npu_count)
 
 
@@ -227,23 +239,24 @@ _JSON_REASONS = {
 }
 
 
-def _compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
 def _parse_rank_table(
     ref: ConfigMapRef, raw: str, *, split: bool
 ) -> tuple[tuple[tuple[str, str], ...] | None, tuple[str, ...], int]:
     """Validate hccl.json; return (header, servers, NPU count).
 
     With `split` the header and servers come back as compact JSON pieces for
-    reassembly; without it (a single-ConfigMap job, whose text is served as
-    it is) they stay empty, which saves re-encoding every server.
+    reassembly (a server written compactly is its own text, not re-encoded);
+    without it (a single-ConfigMap job, whose text is served as it is) they
+    stay empty.
     """
     if not raw.strip():
         return None, (), 0
+    server_texts: list[str] | None = None
     try:
-        table = strict_json.loads(raw)
+        if split:
+            table, server_texts = strict_json.loads_items(raw, SERVER_LIST_KEY)
+        else:
+            table = strict_json.loads(raw)
     except strict_json.NotStrictJson as error:
         raise BadConfigMap(_JSON_REASONS[error.reason], f"{ref}: hccl.json: {error}") from None
     if not isinstance(table, dict):
@@ -258,7 +271,7 @@ def _parse_rank_table(
     if not split:
         return (), (), npu_count
     header = tuple(
-        (key, SERVER_LIST_SLOT if key == SERVER_LIST_KEY else _compact(value))
+        (key, SERVER_LIST_SLOT if key == SERVER_LIST_KEY else strict_json.compact(value))
         for key, value in table.items()
     )
-    return header, tuple(_compact(s) for s in server_list), npu_count
+    return header, tuple(server_texts or ()), npu_count
