@@ -69,10 +69,13 @@ class Changes:
         self.live_counts += other.live_counts
 
 
-def checked_parse(configmap: Mapping[str, Any], ref: ConfigMapRef) -> Slice:
-    """`parse_slice`, with any unexpected error turned into a rejection of this ConfigMap."""
+def checked_parse(
+    configmap: Mapping[str, Any], ref: ConfigMapRef, previous: Slice | None = None
+) -> Slice:
+    """`parse_slice`, with any unexpected error turned into a rejection of this ConfigMap.
+    `previous` is the slice this version replaces (its unchanged rank table is reused)."""
     try:
-        return parse_slice(configmap)
+        return parse_slice(configmap, previous)
     except BadConfigMap:
         raise
     except Exception as error:  # a parser bug must reject one ConfigMap, not end the watcher
@@ -285,7 +288,7 @@ class JobStore:
             self.reject(changes, BadConfigMap("bad_event", detail))
             return changes
         try:
-            new_slice = checked_parse(configmap, ref)
+            new_slice = checked_parse(configmap, ref, old)
         except BadConfigMap as error:
             # Keep the last good version: a bad rewrite must not end a job.
             self.reject(changes, error)
@@ -492,7 +495,7 @@ class Relist:
             if self._namespace is not None and ref.namespace != self._namespace:
                 return work
             self._listed.add(ref)
-            self._fresh[ref] = checked_parse(configmap, ref)
+            self._fresh[ref] = checked_parse(configmap, ref, self._store._slices.get(ref))
         except BadConfigMap as error:
             changes = Changes()
             self._store.reject(changes, error)

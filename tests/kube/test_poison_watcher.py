@@ -207,10 +207,10 @@ async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_fail
 ) -> None:
     real_parse = configmap_module.parse_slice
 
-    def parse(obj: dict[str, Any]) -> Any:
+    def parse(obj: dict[str, Any], previous: Any = None) -> Any:
         if obj["metadata"]["name"] == "job-summary-cursed":
             raise KeyError("x" * 10_000)
-        return real_parse(obj)
+        return real_parse(obj, previous)
 
     monkeypatch.setattr("jobsignal.store.jobs.parse_slice", parse)
     async with open_emulator() as emu:
@@ -309,9 +309,9 @@ async def test_a_large_list_is_applied_with_checkpoints(
     inserted_at: list[int] = []
     real_insert = JobStore._insert
 
-    def parse(obj: dict[str, Any]) -> Any:
+    def parse(obj: dict[str, Any], previous: Any = None) -> Any:
         parsed_at.append(ticks)
-        return real_parse(obj)
+        return real_parse(obj, previous)
 
     def recompute(self: JobStore, *args: Any, **kwargs: Any) -> None:
         settled_at.append(ticks)

@@ -11,6 +11,7 @@ import pytest
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.store import configmap as configmap_module
 from jobsignal.store.configmap import BadConfigMap, parse_slice
+from jobsignal.store.jobs import ADDED, MODIFIED, JobStore
 from tests.support.factories import configmap
 
 
@@ -59,3 +60,29 @@ def test_a_changed_rank_table_is_checked_as_ever() -> None:
     with pytest.raises(BadConfigMap) as rejected:
         parse_slice(configmap("ns", "job-summary-big", poisoned), previous)
     assert rejected.value.reason == "hccl_json_not_strict"
+
+
+def test_the_store_reuses_the_table_of_the_version_it_replaces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A status rewrite (watch or LIST) parses no rank table again; a new table is parsed."""
+    parsed: list[str] = []
+    real = configmap_module._parse_rank_table
+
+    def counting(ref: Any, raw: str, *, split: bool) -> Any:
+        parsed.append(raw)
+        return real(ref, raw, split=split)
+
+    monkeypatch.setattr(configmap_module, "_parse_rank_table", counting)
+    store = JobStore()
+    job = ClusterdJob("ns", "big", "uid-big", servers=3)
+    [(name, running)] = job.configmaps("running")
+    store.apply(ADDED, configmap("ns", name, running), 1.0)
+    [(_, complete)] = job.configmaps("complete")
+    [event] = store.apply(MODIFIED, configmap("ns", name, complete), 2.0).events
+    assert event.job_status == "complete"
+    store.replace_all([configmap("ns", name, running)], 3.0)
+    assert len(parsed) == 1
+    rescaled = ClusterdJob("ns", "big", "uid-big", servers=4).configmaps("running")[0][1]
+    store.apply(MODIFIED, configmap("ns", name, rescaled), 4.0)
+    assert len(parsed) == 2

@@ -250,6 +250,11 @@ def test_every_reason_is_documented() -> None:
     assert reasons <= set(REASONS)
 
 
+def reformatted_table(data: dict[str, str]) -> dict[str, str]:
+    """`data` with the same rank table written with spaces: other text, same content."""
+    return {**data, "hccl.json": json.dumps(json.loads(data["hccl.json"]))}
+
+
 def test_unexpected_error_while_parsing_rejects_only_that_configmap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -263,15 +268,16 @@ def test_unexpected_error_while_parsing_rejects_only_that_configmap(
         raise KeyError("a bug")
 
     monkeypatch.setattr(configmap_module, "_parse_rank_table", broken)
-    changes = store.apply(MODIFIED, configmap("ns", name, job.configmaps("complete")[0][1]), NOW)
+    # A new table text (an unchanged one would be reused, not parsed again).
+    changed = reformatted_table(job.configmaps("complete")[0][1])
+    changes = store.apply(MODIFIED, configmap("ns", name, changed), NOW)
     assert changes.events == [] and [r.reason for r in changes.rejected] == ["internal_error"]
     assert isinstance(changes.rejected[0].__cause__, KeyError)
     assert store.live_jobs() == [good] and store.rejected_total == {"internal_error": 1}
     # The same in a LIST: the broken ConfigMap keeps its last good slice.
     other = ClusterdJob("ns", "two", "uid-two")
-    listing = [
-        configmap("ns", n, d) for n, d in job.configmaps("complete") + other.configmaps("running")
-    ]
+    listing = [configmap("ns", n, reformatted_table(d)) for n, d in job.configmaps("complete")]
+    listing += [configmap("ns", n, d) for n, d in other.configmaps("running")]
     monkeypatch.undo()
     broken_once = {"count": 0}
     real = configmap_module._parse_rank_table
