@@ -224,7 +224,7 @@ class BoundedQueue(Generic[P]):
         return frames, seen
 
     def attach(self, cancel_scope: trio.CancelScope) -> None:
-        """The stream task's scope: `end()` cancels it."""
+        """The stream task's current scope (a new one per quiet stretch): `end()` cancels it."""
         self._cancel_scope = cancel_scope
         if self.end_reason is not None:
             cancel_scope.cancel()

@@ -211,26 +211,28 @@ async def serve_subscription(
         },
     )
     try:
-        with trio.CancelScope() as ended:
-            subscriber.attach(ended)
-            if send_now is not None:
-                subscriber.deliver_directly(_direct_sink(send_now, idle, broadcaster.stats))
-            while not idle.expired():
-                with idle.scope():
-                    while True:
-                        frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
-                        try:
-                            at_once = await send(frames)
-                        except SendTimedOut:
-                            subscriber.end(EndReason.SLOW)  # the next wait is cancelled
-                            continue
-                        if at_once:
-                            broadcaster.stats.batches_written_at_once += 1
-                        else:
-                            broadcaster.stats.batches_written_waiting += 1
-                        idle.touch()
-                        _record_delivery(broadcaster, frames, seen)
-            subscriber.end(EndReason.IDLE)
+        if send_now is not None:
+            subscriber.deliver_directly(_direct_sink(send_now, idle, broadcaster.stats))
+        while subscriber.end_reason is None:
+            # One scope at a time (each costs half a kilobyte per idle stream): armed
+            # at the idle deadline, and cancelled by `end()` for any other reason.
+            with idle.scope() as scope:
+                subscriber.attach(scope)
+                while True:
+                    frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
+                    try:
+                        at_once = await send(frames)
+                    except SendTimedOut:
+                        subscriber.end(EndReason.SLOW)  # the next wait is cancelled
+                        continue
+                    if at_once:
+                        broadcaster.stats.batches_written_at_once += 1
+                    else:
+                        broadcaster.stats.batches_written_waiting += 1
+                    idle.touch()
+                    _record_delivery(broadcaster, frames, seen)
+            if idle.expired():
+                subscriber.end(EndReason.IDLE)  # unless another reason came first
         assert subscriber.end_reason is not None
         return end_for(subscriber.end_reason, settings)
     finally:
