@@ -118,6 +118,8 @@ async def test_certificate_rotation_keeps_live_streams(
             [first, second] = await stream.wait_for(2)
             assert (first.jobId, second.jobId) == ("uid-0001", "uid-0002")
             assert not stream.ended.is_set()
+            # The second went out from publish itself, through the TLS transport.
+            assert server.broadcaster.stats.batches_written_from_publish == 1
         finally:
             channel.close()
 
