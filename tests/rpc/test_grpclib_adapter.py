@@ -5,24 +5,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import sys
+import types
 from typing import Any
 
 import grpclib.protocol
 import grpclib.utils
+import h2.stream
 import pytest
 import trio
 import trio_asyncio
 from grpclib.config import Configuration
 from h2.config import H2Configuration
 from h2.connection import H2Connection
-from h2.events import Event as H2Event
 from h2.events import (
+    DataReceived,
     PingReceived,
     RemoteSettingsChanged,
     RequestReceived,
     ResponseReceived,
     SettingsAcknowledged,
 )
+from h2.events import Event as H2Event
 from h2.settings import SettingCodes
 
 import jobsignal  # noqa: F401  (importing jobsignal installs the adapter)
@@ -426,3 +429,107 @@ async def test_connection_can_send_follows_the_socket_and_the_shared_window() ->
 
     async with trio_asyncio.open_loop():
         await trio_asyncio.aio_as_trio(scenario)()
+
+
+# -- the one-frame fast path of send_now ----------------------------------------------------------
+
+
+class ReadyConnection:
+    """The parts of grpclib's Connection that send_now reads: writable, not closing."""
+
+    class _Ready:
+        def is_set(self) -> bool:
+            return True
+
+    write_ready = _Ready()
+
+    def is_closing(self) -> bool:
+        return False
+
+    def data_send_process(self) -> None:
+        pass
+
+
+def server_stream_on(server: H2Connection, stream_id: int) -> Any:
+    """A grpclib server stream, as far as send_now looks at it, on `server`'s stream."""
+    protocol_stream = types.SimpleNamespace(
+        connection=ReadyConnection(), id=stream_id, _h2_connection=server
+    )
+    return types.SimpleNamespace(_stream=protocol_stream, _send_initial_metadata_done=True)
+
+
+def responding(server: H2Connection, client: H2Connection, stream_id: int = 1) -> None:
+    """A request on `stream_id`, and the response headers the server sends first."""
+    request = [(":method", "POST"), (":scheme", "http"), (":path", "/p"), (":authority", "h")]
+    client.send_headers(stream_id, request, end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.send_headers(stream_id, [(":status", "200")])
+    client.receive_data(server.data_to_send())
+
+
+def h2_state(server: H2Connection, stream_id: int) -> tuple[object, ...]:
+    stream = server.streams[stream_id]
+    return (
+        server.outbound_flow_control_window,
+        stream.outbound_flow_control_window,
+        server.local_flow_control_window(stream_id),
+        server.state_machine.state,
+        stream.state_machine.state,
+    )
+
+
+@pytest.mark.parametrize("size", [1, 1_000, 16_384, 16_385, 40_000])
+def test_send_now_leaves_h2_exactly_as_its_own_send_data(size: int) -> None:
+    """A message of one frame bypasses hyperframe; the bytes on the wire, both
+    flow-control windows, both state machines and the frames-sent hook agree with
+    h2's own send_data (which larger messages still use), and the peer reads it."""
+    (fast, fast_client), (plain, plain_client) = h2_pair(), h2_pair()
+    for server, client in ((fast, fast_client), (plain, plain_client)):
+        responding(server, client)
+    message = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    noted: list[int] = []
+    _grpclib.on_frames_sent(fast, lambda: noted.append(1))
+    assert _grpclib.send_now(server_stream_on(fast, 1), message, whole=True) == size
+    frame_size = plain.max_outbound_frame_size
+    for start in range(0, size, frame_size):
+        plain.send_data(1, message[start : start + frame_size])
+    assert len(noted) == -(-size // frame_size)  # one per DATA frame
+    assert h2_state(fast, 1) == h2_state(plain, 1)
+    written = fast.data_to_send()
+    assert written == plain.data_to_send()
+    received = fast_client.receive_data(written)
+    assert b"".join(e.data for e in received if isinstance(e, DataReceived)) == message
+
+
+def test_send_now_whole_sends_nothing_when_the_window_is_short() -> None:
+    server, client = h2_pair()
+    responding(server, client)
+    before = h2_state(server, 1)
+    window = server.local_flow_control_window(1)
+    stream = server_stream_on(server, 1)
+    assert _grpclib.send_now(stream, b"x" * (window + 1), whole=True) == 0
+    assert h2_state(server, 1) == before and server.data_to_send() == b""
+    assert _grpclib.send_now(stream, b"x" * (window + 1)) == window  # not whole: what fits
+
+
+def test_send_now_on_a_closed_stream_sends_nothing() -> None:
+    server, client = h2_pair()
+    responding(server, client)
+    server.end_stream(1)
+    server.data_to_send()
+    assert _grpclib.send_now(server_stream_on(server, 1), b"late", whole=True) == 0
+    assert server.data_to_send() == b""
+
+
+def test_a_one_frame_message_builds_no_hyperframe_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path is taken (h2's own send_data would construct a DataFrame)."""
+    server, client = h2_pair()
+    responding(server, client)
+
+    def no_frames(*args: object, **kwargs: object) -> None:
+        raise AssertionError("h2 built a DataFrame")
+
+    monkeypatch.setattr(h2.stream, "DataFrame", no_frames)
+    assert _grpclib.send_now(server_stream_on(server, 1), b"m" * 1_000, whole=True) == 1_000
+    with pytest.raises(AssertionError, match="DataFrame"):
+        _grpclib.send_now(server_stream_on(server, 1), memoryview(b"m" * 1_000))
