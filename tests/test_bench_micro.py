@@ -1,9 +1,10 @@
-"""The send-loop microbenchmark measures real deliveries (bench/micro_session.py)."""
+"""The microbenchmarks measure real deliveries (bench/micro_session.py, micro_publish.py)."""
 
 from __future__ import annotations
 
 import math
 
+from bench.micro_publish import measure as measure_publish
 from bench.micro_session import measure
 
 
@@ -11,3 +12,10 @@ async def test_every_subscriber_gets_every_event_and_the_cost_is_a_number() -> N
     result = await measure(subscribers=5, events=3)
     assert result["delivered"] == 15
     assert math.isfinite(result["us_per_delivery"]) and result["us_per_delivery"] > 0
+
+
+async def test_publish_sends_to_every_raw_subscriber_itself() -> None:
+    """bench/micro_publish.py: every event reaches every subscriber from publish."""
+    result = await measure_publish(subscribers=3, events=5)
+    assert result["from_publish"] == 15
+    assert math.isfinite(result["us_per_subscriber"]) and result["us_per_subscriber"] > 0
