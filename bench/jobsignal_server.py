@@ -62,17 +62,22 @@ class BenchBroadcaster(Broadcaster):
         super().__init__(**kwargs)
         self.ended: Counter[str] = Counter()
         self.lags_ns: list[int] = []
+        # How long each publish of stamped events took (the fan-out itself).
+        self.publish_ns: list[int] = []
         # Subscribers set apart by `tag_big`: they get only `publish_big` events.
         self.big: set[Subscriber] = set()
 
     def publish(self, jobs: Iterable[JobSummary], *args: Any, **kwargs: Any) -> None:
         jobs = list(jobs)
         now = time.time_ns()
+        lags_before = len(self.lags_ns)
         for job in jobs:
             lag = latency_ns(job.sid, now)
             if lag is not None:
                 self.lags_ns.append(lag)
         super().publish(jobs, *args, **kwargs)
+        if len(self.lags_ns) > lags_before:
+            self.publish_ns.append(time.time_ns() - now)
 
     def counters(self) -> dict[str, int]:
         """The broadcaster's own counters, wherever this version keeps them."""
@@ -330,10 +335,10 @@ class Runner:
             }
         if name == "reset_lags":
             self.broadcaster.lags_ns.clear()
+            self.broadcaster.publish_ns.clear()
             return {"ok": True}
         if name == "lags":
-            lags = self.broadcaster.lags_ns
-            return {"lags_ns": lags}
+            return {"lags_ns": self.broadcaster.lags_ns, "publish_ns": self.broadcaster.publish_ns}
         return {"error": f"unknown command {name!r}"}
 
     def _stats(self) -> dict[str, Any]:

@@ -667,10 +667,15 @@ class Bench:
             cluster.request({"cmd": "mode", "mode": "churn", "rate": sizes.e2e_rate})
             time.sleep(sizes.warmup)
             self.reset_latencies([client])
+            server.request({"cmd": "reset_lags"})
             time.sleep(sizes.latency_window)
             samples = self.collect_latencies([client])
+            lags = server.request({"cmd": "lags"})
             cluster.request({"cmd": "mode", "mode": "idle"})
             summary = latency_summary(samples)
+            # Where the time goes: the write to publish, and publish to all subscribers.
+            summary["watch_to_publish"] = latency_summary(lags["lags_ns"])
+            summary["publish"] = latency_summary(lags["publish_ns"])
             self.results["e2e_go"] = {
                 "subscribers": sizes.e2e_subs,
                 "rate": sizes.e2e_rate,
@@ -679,7 +684,9 @@ class Bench:
             }
             self.log(
                 f"  e2e (Go subscribers): p50 {summary['p50_ms']:.2f} ms,"
-                f" p99 {summary['p99_ms']:.2f} ms ({summary['samples']} samples)"
+                f" p99 {summary['p99_ms']:.2f} ms ({summary['samples']} samples);"
+                f" write to publish p50 {summary['watch_to_publish']['p50_ms']:.2f} ms,"
+                f" publish to all p50 {summary['publish']['p50_ms']:.2f} ms"
             )
 
     def scenario_memory(self) -> None:
