@@ -187,14 +187,18 @@ class Broadcaster:
         without it, the owner's count now.
 
         The hot loop: one encoding and one shared queue entry per event and
-        message type, then a plain append per subscriber.
+        message type, then a plain append per subscriber. Only the first event
+        may go out from here to parked subscribers (`BoundedQueue.push_entry`):
+        the rest of a burst (a relist step) queues behind it, so each
+        subscriber's task sends it as one batch in its own loop turn instead of
+        this call writing every message of the burst to every stream at once.
         """
         if seen_at is None:
             seen_at = trio.current_time()
         stats = self.stats
         own_record, encoded, dropped = self._own_record, self._encoded, self._dropped
         counts = iter(live_counts) if live_counts is not None else None
-        for job in jobs:
+        for index, job in enumerate(jobs):
             key = job.key
             event = EncodedJob(job)
             if own_record is not None:
@@ -213,11 +217,12 @@ class Broadcaster:
                     queue.push_entry(queued)
             if not (self._signal_subscribers or self._list_subscribers):
                 continue
+            direct = index == 0
             try:
                 signal = self._signal(event)
                 entry: QueueEntry = (key, signal, seen_at)
                 for subscriber in self._signal_subscribers:
-                    subscriber.push_entry(entry)
+                    subscriber.push_entry(entry, direct=direct)
                 if self._list_subscribers:
                     if live_count is None:
                         live_count = self._jobs.live_job_count()
@@ -225,7 +230,7 @@ class Broadcaster:
                     as_list = encode_signal_list([signal], self._now_ms(), total)
                     entry = (key, as_list, seen_at)
                     for subscriber in self._list_subscribers:
-                        subscriber.push_entry(entry)
+                        subscriber.push_entry(entry, direct=direct)
             except Exception:
                 self._drop(key, event, "publish")
                 continue

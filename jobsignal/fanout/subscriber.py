@@ -118,12 +118,14 @@ class BoundedQueue(Generic[P]):
         """Queue one encoded message; `key` names the job it describes."""
         self.push_entry((key, frame, seen_at))
 
-    def push_entry(self, entry: tuple[Hashable, P, float | None]) -> None:
-        """Queue a (job key, message, seen_at) entry. The broadcaster builds one
-        entry per event and shares it between all queues: no allocation per push."""
+    def push_entry(self, entry: tuple[Hashable, P, float | None], *, direct: bool = True) -> None:
+        """Queue a (job key, message, seen_at) entry, or with `direct` first offer it
+        to the sink of a parked consumer. The broadcaster builds one entry per
+        event and shares it between all queues: no allocation per push."""
         if self.end_reason is not None:
             return
-        if self._parked and self._direct is not None and self._offer(self._direct, entry):
+        sink = self._direct if direct and self._parked else None
+        if sink is not None and self._offer(sink, entry):
             return
         self._pending.append(entry)
         self._pending_bytes += len(entry[1])

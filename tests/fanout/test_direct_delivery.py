@@ -138,3 +138,21 @@ async def test_an_ended_subscriber_offers_nothing_more() -> None:
         subscriber.end(EndReason.REPLACED)
         broadcaster.publish([make_job(0)])
     assert sink.offers == 0
+
+
+async def test_a_burst_sends_only_its_first_event_from_publish() -> None:
+    """A relist step's many events: the rest queue behind the first, for the
+    subscriber's task to send as one batch."""
+    broadcaster = Broadcaster()
+    subscriber, sink = subscribe(broadcaster, "a")
+    received: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+
+        async def consume() -> None:
+            received.extend(await subscriber.next_batch(10))
+
+        nursery.start_soon(consume)
+        await trio.testing.wait_all_tasks_blocked()
+        broadcaster.publish([make_job(index) for index in range(4)])
+    assert sink.taken == [signal_of(0)]
+    assert received == [signal_of(1), signal_of(2), signal_of(3)]

@@ -548,7 +548,7 @@ async def test_a_stream_alone_on_its_connection_is_written_within_publish(
         assert len(writes) == 1, writes  # no checkpoint since publish: written in it
         await wait_until(functools.partial(received, stream, 2))
         assert len(writes) == 1, writes
-        # A burst in one loop turn: the first at once, the rest together at its end.
+        # A burst in one publish: the first at once, the rest as one batch by the task.
         await trio.testing.wait_all_tasks_blocked()  # the last turn's flush has run
         server.broadcaster.publish([make_job(index) for index in range(2, 12)])
         assert len(writes) == 2, writes
