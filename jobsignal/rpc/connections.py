@@ -167,7 +167,6 @@ class ConnectionTable:
 class ObservedH2Protocol(H2Protocol):
     activity: ConnectionActivity
     output: ConnectionOutput
-    _loop: asyncio.AbstractEventLoop
 
     def __init__(self, base: H2Protocol, table: ConnectionTable) -> None:
         super().__init__(base.handler, base.config, base.h2_config)
@@ -201,9 +200,7 @@ class ObservedH2Protocol(H2Protocol):
         self.activity = ConnectionActivity(self._table.ping_policy, self.peer, self.ip)
         self.output = ConnectionOutput(self.connection, self._table.flusher)
         self.budget = ConnectionBudget(self._limits, trio.current_time())
-        # Held, not looked up: a write from `publish` (a trio task outside any
-        # asyncio context) can fill the socket and call pause_writing.
-        self._loop = loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(
             self._limits.handshake_timeout, self._handshake_expired
         )
@@ -330,7 +327,9 @@ class ObservedH2Protocol(H2Protocol):
         self._write_blocked = True
         self._update_reading()
         if self._stall_timer is None:
-            self._stall_timer = self._loop.call_later(
+            # The output's loop, not asyncio's lookup: a write from `publish` (a
+            # trio task outside any asyncio context) can fill the socket and land here.
+            self._stall_timer = self.output.loop.call_later(
                 self._limits.write_stall_timeout, self._write_stalled
             )
 

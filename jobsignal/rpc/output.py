@@ -100,6 +100,11 @@ class ConnectionOutput:
         self._waiting: Fifo[_Waiting] = Fifo()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The connection's event loop, for callbacks from code outside asyncio's context."""
+        return self._loop
+
+    @property
     def has_waiting(self) -> bool:
         """Streams are waiting their turn: a new write must queue behind them."""
         return bool(self._waiting)
