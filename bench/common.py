@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -50,6 +50,23 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 NAMESPACE = "bench"
 
 _PR_SET_PDEATHSIG = 1
+
+
+def run_micro(
+    prog: str,
+    measure: Callable[[int, int], Awaitable[dict[str, Any]]],
+    *,
+    subscribers: int,
+    events: int,
+    argv: list[str] | None = None,
+) -> None:
+    """The command line of a delivery microbenchmark: `--subscribers`, `--events`,
+    one JSON line of `measure(subscribers, events)`."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--subscribers", type=int, default=subscribers)
+    parser.add_argument("--events", type=int, default=events)
+    args = parser.parse_args(argv)
+    print(json.dumps(trio.run(measure, args.subscribers, args.events)))
 
 
 def run_child(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], object]) -> None:

@@ -14,9 +14,7 @@ section 6). Prints one JSON line; FINDINGS.md quotes it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import statistics
 import time
 from typing import Any
@@ -27,7 +25,7 @@ import h2.events
 import trio
 from h2.settings import SettingCodes
 
-from bench.common import ROLES
+from bench.common import ROLES, run_micro
 from bench.events import make_jobs
 from bench.jobsignal_server import bench_registry
 from jobsignal._proto.job import ClientInfo, Status
@@ -154,11 +152,7 @@ async def measure(subscribers: int, events: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.micro_publish")
-    parser.add_argument("--subscribers", type=int, default=100)
-    parser.add_argument("--events", type=int, default=300)
-    args = parser.parse_args(argv)
-    print(json.dumps(trio.run(measure, args.subscribers, args.events)))
+    run_micro("python -m bench.micro_publish", measure, subscribers=100, events=300, argv=argv)
 
 
 if __name__ == "__main__":

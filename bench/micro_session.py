@@ -11,13 +11,12 @@ send timeout, statistics). Prints one JSON line; FINDINGS.md quotes it.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import trio
 import trio.testing
 
+from bench.common import run_micro
 from bench.events import make_jobs
 from bench.jobsignal_server import bench_registry
 from jobsignal.fanout import Broadcaster, StreamKind
@@ -73,11 +72,7 @@ async def measure(subscribers: int, events: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.micro_session")
-    parser.add_argument("--subscribers", type=int, default=1000)
-    parser.add_argument("--events", type=int, default=200)
-    args = parser.parse_args(argv)
-    print(json.dumps(trio.run(measure, args.subscribers, args.events)))
+    run_micro("python -m bench.micro_session", measure, subscribers=1000, events=200, argv=argv)
 
 
 if __name__ == "__main__":

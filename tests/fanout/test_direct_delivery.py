@@ -3,6 +3,9 @@ and the order of what the client receives never changes."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 
@@ -40,6 +43,21 @@ def subscribe(broadcaster: Broadcaster, name: str) -> tuple[Subscriber, Sink]:
     return subscriber, sink
 
 
+@asynccontextmanager
+async def parked_consumer(subscriber: Subscriber) -> AsyncIterator[list[bytes]]:
+    """A consumer parked on `subscriber` for the block; yields the list its one
+    batch ends up in (complete once the block has ended)."""
+    received: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+
+        async def consume() -> None:
+            received.extend(await subscriber.next_batch(10))
+
+        nursery.start_soon(consume)
+        await trio.testing.wait_all_tasks_blocked()
+        yield received
+
+
 async def test_a_push_to_a_parked_subscriber_goes_to_its_sink_and_wakes_nobody() -> None:
     broadcaster = Broadcaster()
     subscriber, sink = subscribe(broadcaster, "a")
@@ -74,14 +92,7 @@ async def test_no_sink_is_offered_anything_while_the_consumer_is_busy() -> None:
 async def test_what_the_sink_refuses_is_queued_and_later_pushes_queue_behind_it() -> None:
     broadcaster = Broadcaster()
     subscriber, sink = subscribe(broadcaster, "a")
-    received: list[bytes] = []
-    async with trio.open_nursery() as nursery:
-
-        async def consume() -> None:
-            received.extend(await subscriber.next_batch(10))
-
-        nursery.start_soon(consume)
-        await trio.testing.wait_all_tasks_blocked()
+    async with parked_consumer(subscriber) as received:
         sink.open = False  # the window is shut: the first push is refused, so queued
         broadcaster.publish([make_job(0)])
         sink.open = True
@@ -145,14 +156,7 @@ async def test_a_burst_sends_only_its_first_event_from_publish() -> None:
     subscriber's task to send as one batch."""
     broadcaster = Broadcaster()
     subscriber, sink = subscribe(broadcaster, "a")
-    received: list[bytes] = []
-    async with trio.open_nursery() as nursery:
-
-        async def consume() -> None:
-            received.extend(await subscriber.next_batch(10))
-
-        nursery.start_soon(consume)
-        await trio.testing.wait_all_tasks_blocked()
+    async with parked_consumer(subscriber) as received:
         broadcaster.publish([make_job(index) for index in range(4)])
     assert sink.taken == [signal_of(0)]
     assert received == [signal_of(1), signal_of(2), signal_of(3)]
