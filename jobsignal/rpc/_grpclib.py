@@ -31,8 +31,8 @@ methods; the `lighten_*` functions swap them for the containers of
 `rpc.lean`, and `accept_request` drops a finished handler task at once,
 where grpclib kept it (and its stream) until the connection's tenth request.
 
-Last, the writes themselves: `send_now` queues a small message's DATA frame
-into h2 the way h2's own `send_data` does (state machines, both windows, the
+Last, the writes themselves: `send_now` queues its DATA frames into h2 the
+way h2's own `send_data` does (state machines, both windows, the
 output buffer) without building a hyperframe frame object, the largest cost
 of a delivery after the system call (docs/architecture.md section 6).
 """
@@ -311,29 +311,22 @@ def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = Fa
         if whole and size < len(data):
             return 0
         frame_size = h2_connection.max_outbound_frame_size
-        if size == len(data) <= frame_size and type(data) is bytes and size:
-            _send_one_data_frame(h2_connection, h2_stream.connection, stream_id, data)
-        else:
-            for start in range(0, size, frame_size):
-                piece = data[start : min(size, start + frame_size)]
-                # A whole bytes object slices to itself: no copy for a one-frame message.
-                h2_connection.send_data(stream_id, piece if type(piece) is bytes else bytes(piece))
+        for start in range(0, size, frame_size):
+            _send_data_frame(h2_connection, stream_id, data[start : min(size, start + frame_size)])
     except StreamClosedError:
         return 0
     connection.data_send_process()
     return size
 
 
-def _send_one_data_frame(
-    h2_connection: H2Connection, connection: Connection, stream_id: int, data: bytes
-) -> None:
+def _send_data_frame(h2_connection: H2Connection, stream_id: int, data: bytes | memoryview) -> None:
     """What h2's `send_data` does for one unpadded DATA frame that fits the windows and
     the frame size (the caller checked both), without building and serializing a
-    hyperframe `DataFrame`, a third of the cost of a small delivery: the
-    connection's and the stream's state machines see SEND_DATA, both
-    flow-control windows shrink by the payload, and the frame's bytes go to
-    h2's output buffer. `tests/rpc/test_grpclib_adapter.py` checks that the
-    bytes and the state agree with h2's own `send_data`."""
+    hyperframe `DataFrame` (a third of the cost of a small delivery) or copying
+    a slice of `data` first: the connection's and the stream's state machines
+    see SEND_DATA, both flow-control windows shrink by the payload, and the
+    frame's bytes go to h2's output buffer. `tests/rpc/test_grpclib_adapter.py`
+    checks that the bytes and the state agree with h2's own `send_data`."""
     h2_stream = h2_connection.streams[stream_id]
     h2_connection.state_machine.process_input(ConnectionInputs.SEND_DATA)
     h2_stream.state_machine.process_input(StreamInputs.SEND_DATA)  # raises once closed

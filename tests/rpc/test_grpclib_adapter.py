@@ -479,17 +479,19 @@ def h2_state(server: H2Connection, stream_id: int) -> tuple[object, ...]:
 
 
 @pytest.mark.parametrize("size", [1, 1_000, 16_384, 16_385, 40_000])
-def test_send_now_leaves_h2_exactly_as_its_own_send_data(size: int) -> None:
-    """A message of one frame bypasses hyperframe; the bytes on the wire, both
-    flow-control windows, both state machines and the frames-sent hook agree with
-    h2's own send_data (which larger messages still use), and the peer reads it."""
+@pytest.mark.parametrize("view", [False, True], ids=["bytes", "memoryview"])
+def test_send_now_leaves_h2_exactly_as_its_own_send_data(size: int, view: bool) -> None:
+    """send_now frames DATA itself, not through hyperframe; the bytes on the wire,
+    both flow-control windows, both state machines and the frames-sent hook agree
+    with h2's own send_data, frame by frame, and the peer reads the message."""
     (fast, fast_client), (plain, plain_client) = h2_pair(), h2_pair()
     for server, client in ((fast, fast_client), (plain, plain_client)):
         responding(server, client)
     message = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
     noted: list[int] = []
     _grpclib.on_frames_sent(fast, lambda: noted.append(1))
-    assert _grpclib.send_now(server_stream_on(fast, 1), message, whole=True) == size
+    data = memoryview(message) if view else message
+    assert _grpclib.send_now(server_stream_on(fast, 1), data, whole=True) == size
     frame_size = plain.max_outbound_frame_size
     for start in range(0, size, frame_size):
         plain.send_data(1, message[start : start + frame_size])
@@ -521,8 +523,9 @@ def test_send_now_on_a_closed_stream_sends_nothing() -> None:
     assert server.data_to_send() == b""
 
 
-def test_a_one_frame_message_builds_no_hyperframe_frame(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fast path is taken (h2's own send_data would construct a DataFrame)."""
+def test_send_now_builds_no_hyperframe_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path is taken, for one frame and many, from bytes and from a view
+    (h2's own send_data would construct a DataFrame per frame)."""
     server, client = h2_pair()
     responding(server, client)
 
@@ -531,5 +534,7 @@ def test_a_one_frame_message_builds_no_hyperframe_frame(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(h2.stream, "DataFrame", no_frames)
     assert _grpclib.send_now(server_stream_on(server, 1), b"m" * 1_000, whole=True) == 1_000
-    with pytest.raises(AssertionError, match="DataFrame"):
-        _grpclib.send_now(server_stream_on(server, 1), memoryview(b"m" * 1_000))
+    many = memoryview(b"m" * 40_000)  # three frames of the default 16 KiB
+    assert _grpclib.send_now(server_stream_on(server, 1), many) == 40_000
+    with pytest.raises(AssertionError, match="DataFrame"):  # the patch is in force
+        server.send_data(1, b"m")
