@@ -3,13 +3,13 @@
 Every stream that writes in the same loop turn shares one system call (a
 publish to many subscribers of one connection is one write); one callback at
 the end of the turn (`TurnFlusher`) writes every connection that has output
-due, so a publish to a thousand connections schedules one, not a thousand. Streams that
-must wait for HTTP/2 flow control (the connection's window, their own, or a
-socket the peer does not read) queue here and are served round-robin, at
-most `QUANTUM` bytes each per round and `TURN_BUDGET` bytes per loop turn,
-whenever the peer opens a window: a stream with a large backlog cannot take
-the whole window while its neighbours wait, and none waits behind another's
-whole message. The waiting needs no asyncio: it is a trio Event set from the
+due, so a publish to a thousand connections schedules one, not a thousand.
+Streams that must wait for HTTP/2 flow control (the connection's window,
+their own, or a socket the peer does not read) queue here and are served
+round-robin, at most `QUANTUM` bytes each per round and `TURN_BUDGET` bytes
+per loop turn, whenever the peer opens a window: a stream with a large
+backlog cannot take the whole window while its neighbours wait, and none
+waits behind another's whole message. The waiting needs no asyncio: it is a trio Event set from the
 protocol's event handling, which runs on the same thread.
 
 It holds grpclib's Connection, not the protocol, so finished streams that
@@ -30,8 +30,8 @@ from grpclib.exceptions import StreamTerminatedError
 from grpclib.protocol import Connection
 
 from jobsignal.logs import RateLimitedLog
+from jobsignal.fifo import Fifo
 from jobsignal.rpc import _grpclib
-from jobsignal.rpc.lean import Fifo
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)
