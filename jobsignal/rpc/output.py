@@ -29,8 +29,8 @@ import trio
 from grpclib.exceptions import StreamTerminatedError
 from grpclib.protocol import Connection
 
-from jobsignal.logs import RateLimitedLog
 from jobsignal.fifo import Fifo
+from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
 
 log = logging.getLogger(__name__)
