@@ -55,22 +55,34 @@ class _Waiting:
 
 class TurnFlusher:
     """Writes the output due on any connection at the end of the loop turn, in one
-    callback (a callback per connection and turn cost more than the h2 framing)."""
+    callback (a callback per connection and turn cost more than the h2 framing).
 
-    __slots__ = ("_due", "_scheduled")
+    It also numbers the turns in which anything was written (`turn`), so a
+    connection can tell its first write of a turn, which goes out at once,
+    from later ones, which wait for the end of the turn (`flush_first_now`),
+    without a flush of nothing at the end of every turn it wrote in.
+    """
+
+    __slots__ = ("_due", "_scheduled", "turn")
 
     def __init__(self) -> None:
         self._due: list[ConnectionOutput] = []
         self._scheduled = False
+        self.turn = 0
 
     def due(self, output: ConnectionOutput, loop: asyncio.AbstractEventLoop) -> None:
         self._due.append(output)
+        self.end_turn_later(loop)
+
+    def end_turn_later(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Make sure this turn ends: its number moves on, what is due is written."""
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush_all)
 
     def _flush_all(self) -> None:
         self._scheduled = False
+        self.turn += 1
         due, self._due = self._due, []
         for output in due:
             try:
@@ -87,6 +99,7 @@ class ConnectionOutput:
         "_loop",
         "_pump_scheduled",
         "_waiting",
+        "_written_in_turn",
     )
 
     def __init__(self, connection: Connection, flusher: TurnFlusher) -> None:
@@ -95,6 +108,8 @@ class ConnectionOutput:
         # Held, not looked up: writes also come from trio tasks outside any asyncio context.
         self._loop = asyncio.get_running_loop()
         self._flush_scheduled = False
+        # The flusher's turn of this connection's last immediate write.
+        self._written_in_turn = -1
         self._pump_scheduled = False
         # Not a deque: one costs 760 bytes on every idle connection.
         self._waiting: Fifo[_Waiting] = Fifo()
@@ -116,12 +131,16 @@ class ConnectionOutput:
             self._flusher.due(self, self._loop)
 
     def flush_first_now(self) -> None:
-        """Write the connection's queued frames now if nothing is due at the end of
-        this loop turn yet, else then: the first write of a turn is not delayed,
-        and a burst of them still costs at most two system calls."""
-        if not self._flush_scheduled:
-            self._flush_now()
-        self.schedule_flush()
+        """Write the connection's queued frames now if this is its first write of the
+        loop turn, else at the end of the turn: the first write is not delayed, and
+        a burst of them still costs at most two system calls."""
+        flusher = self._flusher
+        if self._flush_scheduled or self._written_in_turn == flusher.turn:
+            self.schedule_flush()
+            return
+        self._written_in_turn = flusher.turn
+        flusher.end_turn_later(self._loop)
+        self._flush_now()
 
     def _flush_now(self) -> None:
         if not self._connection.is_closing():

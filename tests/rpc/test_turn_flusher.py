@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -65,3 +65,57 @@ def test_a_failing_connection_does_not_keep_the_others_output(
     loop.run_turn()
     assert flushed == ["a", "b"]
     assert "writing a connection's output failed" in caplog.text
+
+
+class FakeConnection:
+    """What `ConnectionOutput` uses of grpclib's Connection: flush and is_closing."""
+
+    def __init__(self) -> None:
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def is_closing(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def loop(monkeypatch: pytest.MonkeyPatch) -> FakeLoop:
+    """The loop a `ConnectionOutput` made now takes as its own."""
+    fake = FakeLoop()
+    monkeypatch.setattr(asyncio, "get_running_loop", lambda: fake)
+    return fake
+
+
+def output_on(connection: FakeConnection, flusher: TurnFlusher) -> ConnectionOutput:
+    return ConnectionOutput(cast(Any, connection), flusher)
+
+
+def test_the_first_write_of_a_turn_goes_out_at_once_and_later_ones_at_its_end(
+    loop: FakeLoop,
+) -> None:
+    flusher, connection = TurnFlusher(), FakeConnection()
+    output = output_on(connection, flusher)
+    output.flush_first_now()
+    assert connection.flushes == 1  # not delayed
+    output.flush_first_now()
+    output.flush_first_now()
+    assert connection.flushes == 1  # the rest of the burst waits for the end of the turn
+    loop.run_turn()
+    assert connection.flushes == 2  # ... and goes out in one write
+    output.flush_first_now()  # a new turn: at once again
+    assert connection.flushes == 3
+
+
+def test_a_single_write_in_a_turn_costs_no_flush_at_its_end(loop: FakeLoop) -> None:
+    flusher = TurnFlusher()
+    connections = [FakeConnection() for _ in range(100)]
+    outputs = [output_on(connection, flusher) for connection in connections]
+    for output in outputs:  # a publish to a hundred connections, one message each
+        output.flush_first_now()
+    assert len(loop.callbacks) == 1  # one end-of-turn callback for all of them
+    loop.run_turn()
+    assert [connection.flushes for connection in connections] == [1] * 100
+    outputs[0].flush_first_now()
+    assert connections[0].flushes == 2
