@@ -1264,6 +1264,25 @@ def _histogram(samples_ns: list[int], bins: int = 60) -> dict[str, list[float]]:
     return {"edges_ms": edges, "counts": counts}
 
 
+def with_overrides(sizes: Sizes, overrides: list[str], parser: argparse.ArgumentParser) -> Sizes:
+    """`sizes` with each `name=value` of --set applied (a number; a tuple as a,b,c)."""
+    fields = {field.name: field for field in dataclasses.fields(Sizes)}
+    changes: dict[str, Any] = {}
+    for override in overrides:
+        name, _, text = override.partition("=")
+        if name not in fields or not text:
+            parser.error(f"--set {override!r}: expected SIZE=VALUE, SIZE one of {sorted(fields)}")
+        current = getattr(sizes, name)
+        try:
+            if isinstance(current, tuple):
+                changes[name] = tuple(int(part) for part in text.split(","))
+            else:
+                changes[name] = type(current)(text)
+        except ValueError:
+            parser.error(f"--set {override!r}: {text!r} is not a {type(current).__name__}")
+    return dataclasses.replace(sizes, **changes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench", description="jobsignal vs. a grpc.aio reference server"
@@ -1274,12 +1293,19 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default="", help="comma-separated scenarios (fanout,latency,e2e,memory,...)"
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SIZE=VALUE",
+        help="override one size of the run, e.g. --set e2e_rate=100 --set e2e_subs=10",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="rewrite REPORT.md and the plots from the results.json in --out, without running",
     )
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = with_overrides(QUICK if args.quick else FULL, args.set, parser)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:

@@ -9,6 +9,7 @@ from Debian's packages; without them the test fails naming the packages.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.gobuild import INSTALL_HINT, missing_go_packages
-from bench.run import ATTACKS, GO_SERVERS
+from bench.run import ATTACKS, FULL, GO_SERVERS, with_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 # The summary table's first column starts with one of these per scenario.
@@ -85,3 +86,13 @@ def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
     if importlib.util.find_spec("matplotlib") is not None:
         for plot in PLOTS:
             assert (out / plot).stat().st_size > 0, plot
+
+
+def test_sizes_can_be_overridden_one_by_one() -> None:
+    parser = argparse.ArgumentParser()
+    sizes = with_overrides(FULL, ["e2e_rate=100", "e2e_subs=10", "fanout=5,50"], parser)
+    assert (sizes.e2e_rate, sizes.e2e_subs, sizes.fanout) == (100.0, 10, (5, 50))
+    assert sizes.latency_subs == FULL.latency_subs  # the rest as they were
+    for bad in ("e2e_rate", "no_such_size=1", "e2e_subs=ten"):
+        with pytest.raises(SystemExit):
+            with_overrides(FULL, [bad], parser)
