@@ -52,11 +52,11 @@ import trio_asyncio  # noqa: F401  (imported for its patch of asyncio.current_ta
 from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.protocol import Stream as ProtocolStream
-from h2.connection import ConnectionInputs, H2Connection
+from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.events import Event, RequestReceived, StreamReset
 from h2.exceptions import StreamClosedError
 from h2.settings import SettingCodes
-from h2.stream import StreamInputs
+from h2.stream import H2Stream, StreamInputs, StreamState
 
 from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
@@ -297,7 +297,8 @@ def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = Fa
     windows already count them) until the connection's output is written.
     Nothing goes before the response headers, on a paused socket or past the
     stream's window (h2's window for a stream is the smaller of its own and
-    the connection's).
+    the connection's). This is on every delivery's path, so it reads h2's
+    state directly rather than through its lookup methods.
     """
     h2_stream = stream._stream
     connection = h2_stream.connection
@@ -306,20 +307,38 @@ def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = Fa
     stream_id = h2_stream.id
     assert stream_id is not None  # set when the request arrived
     h2_connection = h2_stream._h2_connection
+    state = h2_connection.streams.get(stream_id)
+    if state is None:  # closed, and forgotten by h2
+        return 0
+    size = min(
+        len(data), h2_connection.outbound_flow_control_window, state.outbound_flow_control_window
+    )
+    if whole and size < len(data):
+        return 0
+    frame_size = h2_connection.max_outbound_frame_size
     try:
-        size = min(len(data), h2_connection.local_flow_control_window(stream_id))
-        if whole and size < len(data):
-            return 0
-        frame_size = h2_connection.max_outbound_frame_size
-        for start in range(0, size, frame_size):
-            _send_data_frame(h2_connection, stream_id, data[start : min(size, start + frame_size)])
+        if size <= frame_size:  # the usual case: one frame
+            _send_data_frame(h2_connection, state, data if size == len(data) else data[:size])
+        else:
+            for start in range(0, size, frame_size):
+                _send_data_frame(h2_connection, state, data[start : min(size, start + frame_size)])
     except StreamClosedError:
         return 0
     connection.data_send_process()
     return size
 
 
-def _send_data_frame(h2_connection: H2Connection, stream_id: int, data: bytes | memoryview) -> None:
+# The states in which sending DATA leaves h2's state machines as they are (their
+# transition is a self-loop with no action: tests/rpc/test_grpclib_adapter.py
+# checks it against the installed h2), so `_send_data_frame` skips the machine
+# there, and its enum hashing, on every delivery.
+SENDING_CONNECTION_STATE = ConnectionState.SERVER_OPEN
+SENDING_STREAM_STATES = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
+
+
+def _send_data_frame(
+    h2_connection: H2Connection, h2_stream: H2Stream, data: bytes | memoryview
+) -> None:
     """What h2's `send_data` does for one unpadded DATA frame that fits the windows and
     the frame size (the caller checked both), without building and serializing a
     hyperframe `DataFrame` (a third of the cost of a small delivery) or copying
@@ -327,16 +346,19 @@ def _send_data_frame(h2_connection: H2Connection, stream_id: int, data: bytes | 
     see SEND_DATA, both flow-control windows shrink by the payload, and the
     frame's bytes go to h2's output buffer. `tests/rpc/test_grpclib_adapter.py`
     checks that the bytes and the state agree with h2's own `send_data`."""
-    h2_stream = h2_connection.streams[stream_id]
-    h2_connection.state_machine.process_input(ConnectionInputs.SEND_DATA)
-    h2_stream.state_machine.process_input(StreamInputs.SEND_DATA)  # raises once closed
+    connection_machine = h2_connection.state_machine
+    if connection_machine.state is not SENDING_CONNECTION_STATE:
+        connection_machine.process_input(ConnectionInputs.SEND_DATA)  # raises unless open
+    stream_machine = h2_stream.state_machine
+    if stream_machine.state not in SENDING_STREAM_STATES:
+        stream_machine.process_input(StreamInputs.SEND_DATA)  # raises once closed
     noted = h2_connection.send_data
     if type(noted) is _Noted:  # the frames-sent hook sees this frame too
         noted.callback()
     size = len(data)
     h2_stream.outbound_flow_control_window -= size
     h2_connection.outbound_flow_control_window -= size
-    header = size.to_bytes(3, "big") + b"\x00\x00" + stream_id.to_bytes(4, "big")
+    header = size.to_bytes(3, "big") + b"\x00\x00" + h2_stream.stream_id.to_bytes(4, "big")
     h2_connection._data_to_send += header
     h2_connection._data_to_send += data
 

@@ -10,13 +10,14 @@ from typing import Any
 
 import grpclib.protocol
 import grpclib.utils
+import h2.connection
 import h2.stream
 import pytest
 import trio
 import trio_asyncio
 from grpclib.config import Configuration
 from h2.config import H2Configuration
-from h2.connection import H2Connection
+from h2.connection import ConnectionInputs, H2Connection
 from h2.events import (
     DataReceived,
     PingReceived,
@@ -27,6 +28,7 @@ from h2.events import (
 )
 from h2.events import Event as H2Event
 from h2.settings import SettingCodes
+from h2.stream import StreamInputs
 
 import jobsignal  # noqa: F401  (importing jobsignal installs the adapter)
 from jobsignal.rpc import _grpclib
@@ -501,6 +503,16 @@ def test_send_now_leaves_h2_exactly_as_its_own_send_data(size: int, view: bool) 
     assert written == plain.data_to_send()
     received = fast_client.receive_data(written)
     assert b"".join(e.data for e in received if isinstance(e, DataReceived)) == message
+
+
+def test_the_states_where_send_now_skips_h2s_state_machines_are_self_loops() -> None:
+    """`_send_data_frame` feeds SEND_DATA to h2's state machines only outside these
+    states: an h2 whose transitions there act or move fails here."""
+    connection_state = _grpclib.SENDING_CONNECTION_STATE
+    transitions = h2.connection.H2ConnectionStateMachine._transitions
+    assert transitions[(connection_state, ConnectionInputs.SEND_DATA)] == (None, connection_state)
+    for state in _grpclib.SENDING_STREAM_STATES:
+        assert h2.stream._transitions[(state, StreamInputs.SEND_DATA)] == (None, state)
 
 
 def test_send_now_whole_sends_nothing_when_the_window_is_short() -> None:
