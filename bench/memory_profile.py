@@ -254,6 +254,10 @@ class IdleServer:
     python: str
     jobs: int
     rss_bytes: int
+    # VmRSS is these two: private memory, and pages of mapped files (the
+    # interpreter's and the extension modules' shared libraries, OpenSSL's).
+    anonymous_bytes: int
+    file_bytes: int
     modules: list[str]
     # Bytes tracemalloc saw held, by top-level package (with --trace only).
     traced: dict[str, int] = field(default_factory=dict)
@@ -317,6 +321,8 @@ def idle_server(
                     raise RuntimeError("the server exited before its first LIST:\n" + "".join(log))
                 time.sleep(settle)
                 rss = status_bytes(server.pid, "VmRSS")
+                anonymous = status_bytes(server.pid, "RssAnon")
+                file_backed = status_bytes(server.pid, "RssFile")
             finally:
                 server.send_signal(signal.SIGTERM)
                 server.communicate(timeout=30)
@@ -329,6 +335,8 @@ def idle_server(
         python=python or sys.executable,
         jobs=jobs,
         rss_bytes=rss,
+        anonymous_bytes=anonymous,
+        file_bytes=file_backed,
         modules=found["modules"],
         traced=found.get("traced", {}),
     )
@@ -337,7 +345,9 @@ def idle_server(
 def idle_report(idle: IdleServer, top: int) -> str:
     lines = [
         f"jobsignal serve ({idle.python}), {idle.jobs} jobs, no subscriber, after the first LIST",
-        f"VmRSS: {idle.rss_bytes / 2**20:.1f} MiB ({idle.rss_bytes / 1e6:.1f} MB)",
+        f"VmRSS: {idle.rss_bytes / 2**20:.1f} MiB ({idle.rss_bytes / 1e6:.1f} MB):"
+        f" {idle.anonymous_bytes / 1e6:.1f} MB private,"
+        f" {idle.file_bytes / 1e6:.1f} MB of mapped files",
         f"modules loaded: {len(idle.modules)}; top-level: {' '.join(idle.packages())}",
     ]
     if idle.traced:
