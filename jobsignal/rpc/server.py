@@ -163,6 +163,7 @@ async def run_grpc_server(
     services.append(LazyReflection(services))
     tls = ReloadingTls(settings.tls) if settings.tls is not None else None
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        service.run_sessions_in(nursery)
         server = JobsignalServer(
             services,
             codec=PassthroughCodec(settings.max_request_bytes),

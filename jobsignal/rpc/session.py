@@ -28,7 +28,7 @@ from grpclib.const import Status
 from jobsignal.config import LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
 from jobsignal.fanout.stats import FanoutStats
-from jobsignal.fanout.subscriber import QueueEntry
+from jobsignal.fanout.subscriber import QueueEntry, Subscriber
 from jobsignal.rpc.activity import ConnectionActivity
 from jobsignal.rpc.registry import Refused, Registry
 from jobsignal.text import clip
@@ -52,6 +52,23 @@ SendNow = Callable[[bytes], bool]
 
 class SendTimedOut(Exception):
     """A batch waited `send_timeout` for the client to read: the client is too slow."""
+
+
+class SessionHandle:
+    """How the side that started a session tells it the client went away
+    (`rpc.service`, whose asyncio handler grpclib cancels): the session ends
+    with CLIENT_GONE, or never subscribes if it has not started yet."""
+
+    __slots__ = ("gone", "subscriber")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self.subscriber: Subscriber | None = None
+
+    def client_gone(self) -> None:
+        self.gone = True
+        if self.subscriber is not None:
+            self.subscriber.end(EndReason.CLIENT_GONE)
 
 
 @dataclass(frozen=True)
@@ -98,6 +115,8 @@ def end_for(reason: EndReason, settings: SessionSettings, pending: int = 0) -> S
             "replaced by a newer subscription with the same clientId",
             reason,
         )
+    if reason is EndReason.CLIENT_GONE:  # nobody reads it: the stream is gone
+        return StreamEnd(Status.CANCELLED, "the client went away", reason)
     return StreamEnd(Status.UNAVAILABLE, "server shutting down", reason)
 
 
@@ -166,8 +185,16 @@ async def serve_subscription(
     activity: ConnectionActivity,
     send: Send,
     send_now: SendNow | None = None,
+    handle: SessionHandle | None = None,
 ) -> StreamEnd:
-    """Serve one Subscribe* stream until it ends; return the status to send."""
+    """Serve one Subscribe* stream until it ends; return the status to send.
+
+    With a `handle`, a client gone before the session started is never
+    subscribed, and one gone later ends it (`SessionHandle.client_gone`).
+    """
+    if handle is not None and handle.gone:
+        broadcaster.stats.stream_ended(EndReason.CLIENT_GONE)
+        return end_for(EndReason.CLIENT_GONE, settings)
     try:
         claim, replaced = registry.claim(client_id, role, trio.current_time(), address=activity.ip)
     except Refused as refusal:
@@ -194,6 +221,8 @@ async def serve_subscription(
     subscriber = broadcaster.subscribe(
         kind, role, client_id, snapshot=role in settings.snapshot_roles
     )
+    if handle is not None:
+        handle.subscriber = subscriber
     idle = IdleDeadline(settings.idle_timeout)
     activity.heartbeat_listeners.add(idle.touch)
     log.info(
