@@ -81,7 +81,7 @@ class BoundedQueue(Generic[P]):
         "_pending",
         "_pending_bytes",
         "_stats",
-        "_wakeup",
+        "_waiter",
         "coalesced",
         "end_reason",
     )
@@ -97,7 +97,9 @@ class BoundedQueue(Generic[P]):
         # does not count against the limits: only a live backlog on top of it does.
         self._owed = 0
         self._owed_bytes = 0
-        self._wakeup = trio.Event()
+        # The consumer's task while it waits for entries, rescheduled by the next
+        # push: no trio Event per queue (and per wake-up), one consumer at a time.
+        self._waiter: trio.lowlevel.Task | None = None
         # The consumer waits in `next_batch_timed` on an empty queue: nothing it
         # took is still on its way out, so a direct delivery keeps the order.
         self._parked = False
@@ -135,7 +137,7 @@ class BoundedQueue(Generic[P]):
                 self.end(EndReason.SLOW)
                 return
         self._parked = False  # the consumer is woken: what follows queues behind this
-        self._wakeup.set()
+        self._wake()
 
     def deliver_directly(self, sink: DirectSink[P]) -> None:
         """Offer each push made while the consumer is parked to `sink` first;
@@ -162,7 +164,7 @@ class BoundedQueue(Generic[P]):
         self._owed_bytes += sum(len(entry[1]) for entry in entries)
         if entries:
             self._parked = False
-            self._wakeup.set()
+            self._wake()
 
     def _over_limits(self, *, after_coalescing: bool = False) -> bool:
         backlog = len(self._pending) - self._owed
@@ -202,8 +204,7 @@ class BoundedQueue(Generic[P]):
         while not self._pending:
             if self.end_reason is not None:
                 return []
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
+            await self._wait()
         return await self.next_batch(max_frames)
 
     async def next_batch_timed(self, max_frames: int) -> tuple[list[P], list[float]]:
@@ -211,10 +212,9 @@ class BoundedQueue(Generic[P]):
         while not self._pending:
             self._parked = True
             try:
-                await self._wakeup.wait()
+                await self._wait()
             finally:
                 self._parked = False
-            self._wakeup = trio.Event()
         entries = self._pending.take(max_frames)
         frames = [frame for _, frame, _ in entries]
         seen = [seen_at for _, _, seen_at in entries if seen_at is not None]
@@ -224,6 +224,23 @@ class BoundedQueue(Generic[P]):
             self._owed -= len(delivered_owed)
             self._owed_bytes -= sum(len(frame) for frame in delivered_owed)
         return frames, seen
+
+    async def _wait(self) -> None:
+        """Until the next `_wake` (or a cancellation)."""
+        if self._waiter is not None:
+            raise RuntimeError("a queue has one consumer: another task already waits on it")
+        self._waiter = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._waiter = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            trio.lowlevel.reschedule(waiter)
 
     def attach(self, cancel_scope: trio.CancelScope) -> None:
         """The stream task's current scope (a new one per quiet stretch): `end()` cancels it."""
@@ -238,7 +255,7 @@ class BoundedQueue(Generic[P]):
         self._direct = None
         self._pending.clear()
         self._pending_bytes = self._owed = self._owed_bytes = 0
-        self._wakeup.set()  # a consumer waiting in next_batch_or_end learns of it
+        self._wake()  # a consumer waiting in next_batch_or_end learns of it
         if self._cancel_scope is not None:
             self._cancel_scope.cancel()
 
