@@ -230,12 +230,12 @@ class BoundedQueue(Generic[P]):
         if self._waiter is not None:
             raise RuntimeError("a queue has one consumer: another task already waits on it")
         self._waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
 
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self._waiter = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        # A method, not a closure: a parked subscriber holds less.
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None

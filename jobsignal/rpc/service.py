@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpclib.const
@@ -227,18 +227,25 @@ class JobService:
                 self._all_streams_closed.set()
 
     async def _run_session(
-        self, session: Callable[[], Awaitable[StreamEnd]], handle: SessionHandle
+        self, session: Coroutine[Any, Any, StreamEnd], handle: SessionHandle
     ) -> StreamEnd:
-        """Start `session` in the server's nursery and wait here for how it ended.
+        """Run `session` (not yet started) in the server's nursery and wait here for
+        how it ended. The coroutine itself is handed over, not a function and its
+        arguments: its frame is the only holder of them.
 
         grpclib cancels this handler when the client goes away (a reset, a lost
         connection); the session then ends as CLIENT_GONE and cleans up in its
         own task.
         """
         if self._sessions is None:
+            session.close()
             raise RuntimeError("JobService.run_sessions_in was not called")
         ended: asyncio.Future[StreamEnd] = asyncio.get_running_loop().create_future()
-        self._sessions.start_soon(_resolve, ended, session)
+        try:
+            self._sessions.start_soon(_resolve, ended, session)
+        except RuntimeError:  # the server's nursery has closed
+            session.close()
+            raise
         try:
             return await ended
         except asyncio.CancelledError:
@@ -256,8 +263,7 @@ class JobService:
             stream, self.connections.protocol_of(stream).output, self.settings.send_timeout
         )
         handle = SessionHandle()
-        session = functools.partial(
-            serve_subscription,
+        session = serve_subscription(
             kind=kind,
             role=request.role,
             client_id=request.client_id,
@@ -276,13 +282,13 @@ class JobService:
 
 
 async def _resolve(
-    ended: asyncio.Future[StreamEnd], session: Callable[[], Awaitable[StreamEnd]]
+    ended: asyncio.Future[StreamEnd], session: Coroutine[Any, Any, StreamEnd]
 ) -> None:
-    """Run `session` (a trio task) and settle `ended` with its outcome. An error
+    """Run `session` (in a trio task) and settle `ended` with its outcome. An error
     goes to the handler, whose fault boundary answers INTERNAL: it must not end
     the server's nursery."""
     try:
-        end = await session()
+        end = await session
     except Exception as error:
         if not ended.done():
             ended.set_exception(error)

@@ -35,7 +35,7 @@ def job_service() -> JobService:
 
 async def in_handler(service: JobService, session: Session, handle: SessionHandle) -> StreamEnd:
     """`_run_session` in an asyncio task, as grpclib calls a handler."""
-    end: StreamEnd = await trio_asyncio.aio_as_trio(service._run_session)(session, handle)
+    end: StreamEnd = await trio_asyncio.aio_as_trio(service._run_session)(session(), handle)
     return end
 
 
@@ -92,7 +92,7 @@ async def test_a_cancelled_handler_tells_its_session_the_client_went_away() -> N
         service.run_sessions_in(nursery)
 
         async def handler() -> None:
-            task = asyncio.ensure_future(service._run_session(waits_for_the_client, handle))
+            task = asyncio.ensure_future(service._run_session(waits_for_the_client(), handle))
             while not running:
                 await asyncio.sleep(0)
             task.cancel()  # what grpclib does when the client resets the stream
@@ -123,7 +123,7 @@ async def test_a_session_cancelled_with_the_server_cancels_its_handler() -> None
 
                 async def handler() -> None:
                     try:
-                        await service._run_session(forever, SessionHandle())
+                        await service._run_session(forever(), SessionHandle())
                     except asyncio.CancelledError:
                         outcome.append("cancelled")
 
