@@ -75,6 +75,7 @@ class BoundedQueue(Generic[P]):
         "_direct",
         "_max_pending",
         "_max_pending_bytes",
+        "_more_waiters",
         "_owed",
         "_owed_bytes",
         "_parked",
@@ -98,8 +99,11 @@ class BoundedQueue(Generic[P]):
         self._owed = 0
         self._owed_bytes = 0
         # The consumer's task while it waits for entries, rescheduled by the next
-        # push: no trio Event per queue (and per wake-up), one consumer at a time.
+        # push: no trio Event per queue (and per wake-up). Others that wait at the
+        # same time (an embedder's tasks sharing one JobEvents) wait in a list
+        # made only for them.
         self._waiter: trio.lowlevel.Task | None = None
+        self._more_waiters: list[trio.lowlevel.Task] | None = None
         # The consumer waits in `next_batch_timed` on an empty queue: nothing it
         # took is still on its way out, so a direct delivery keeps the order.
         self._parked = False
@@ -227,20 +231,38 @@ class BoundedQueue(Generic[P]):
 
     async def _wait(self) -> None:
         """Until the next `_wake` (or a cancellation)."""
-        if self._waiter is not None:
-            raise RuntimeError("a queue has one consumer: another task already waits on it")
-        self._waiter = trio.lowlevel.current_task()
-        await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+        task = trio.lowlevel.current_task()
+        if self._waiter is None:
+            self._waiter = task
+            await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+            return
+        if self._more_waiters is None:
+            self._more_waiters = []
+        more = self._more_waiters
+        more.append(task)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            more.remove(task)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
-        # A method, not a closure: a parked subscriber holds less.
+        # The waiter in the slot is cancelled (trio calls this from the task that
+        # cancels it, so it names no task). A method, not a closure: a parked
+        # subscriber holds less.
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED
 
     def _wake(self) -> None:
+        """Wake every task waiting in `_wait`; each looks at the queue again."""
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             trio.lowlevel.reschedule(waiter)
+        if self._more_waiters is not None:
+            more, self._more_waiters = self._more_waiters, None
+            for task in more:
+                trio.lowlevel.reschedule(task)
 
     def attach(self, cancel_scope: trio.CancelScope) -> None:
         """The stream task's current scope (a new one per quiet stretch): `end()` cancels it."""
