@@ -170,7 +170,7 @@ class Broadcaster:
 
     def latest(self) -> list[EncodedJob]:
         """Every live job's latest event, in snapshot order."""
-        return self._live_events()
+        return [entry for _, entry in self._live_entries()]
 
     # -- events ------------------------------------------------------------
 
@@ -357,9 +357,6 @@ class Broadcaster:
             self._encoded = {key: entry for key, entry in encoded.items() if key in live}
             self._dropped = {key: dropped[key] for key in still_dropped}
         return entries
-
-    def _live_events(self) -> list[EncodedJob]:
-        return [entry for _, entry in self._live_entries()]
 
     def _signal(self, event: EncodedJob) -> bytes:
         if event.encoded is None:

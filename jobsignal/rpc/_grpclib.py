@@ -343,8 +343,10 @@ def _send_data_frame(
     the frame size (the caller checked both), without building and serializing a
     hyperframe `DataFrame` (a third of the cost of a small delivery) or copying
     a slice of `data` first: the connection's and the stream's state machines
-    see SEND_DATA, both flow-control windows shrink by the payload, and the
-    frame's bytes go to h2's output buffer. `tests/rpc/test_grpclib_adapter.py`
+    see SEND_DATA (unless it would leave them as they are:
+    `SENDING_CONNECTION_STATE`, `SENDING_STREAM_STATES`), both flow-control
+    windows shrink by the payload, and the frame's bytes go to h2's output
+    buffer. `tests/rpc/test_grpclib_adapter.py`
     checks that the bytes and the state agree with h2's own `send_data`."""
     connection_machine = h2_connection.state_machine
     if connection_machine.state is not SENDING_CONNECTION_STATE:

@@ -9,8 +9,9 @@ their own, or a socket the peer does not read) queue here and are served
 round-robin, at most `QUANTUM` bytes each per round and `TURN_BUDGET` bytes
 per loop turn, whenever the peer opens a window: a stream with a large
 backlog cannot take the whole window while its neighbours wait, and none
-waits behind another's whole message. The waiting needs no asyncio: it is a trio Event set from the
-protocol's event handling, which runs on the same thread.
+waits behind another's whole message. The waiting needs no asyncio: it is a
+trio Event set from the protocol's event handling, which runs on the same
+thread.
 
 It holds grpclib's Connection, not the protocol, so finished streams that
 still reference it keep no protocol alive.

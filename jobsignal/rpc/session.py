@@ -19,7 +19,7 @@ the send loop together).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -146,10 +146,14 @@ class IdleDeadline:
         return trio.current_time() >= self.last + self.timeout
 
 
-def _record_delivery(broadcaster: Broadcaster, frames: list[bytes], seen: list[float]) -> None:
-    stats = broadcaster.stats
-    stats.messages_delivered += len(frames)
+def _record_delivery(
+    stats: FanoutStats, idle: IdleDeadline, count: int, seen: Sequence[float]
+) -> None:
+    """`count` messages went out now: activity for the idle rule, the delivery
+    counted, and the latency of those the source saw (`seen`), at one clock read."""
     now = trio.current_time()
+    idle.touch(now)
+    stats.messages_delivered += count
     for seen_at in seen:
         stats.delivery_latency.observe(now - seen_at)
 
@@ -163,12 +167,9 @@ def _direct_sink(
     def deliver(entry: QueueEntry) -> bool:
         if not send_now(entry[1]):
             return False
-        now = trio.current_time()
-        idle.touch(now)
         stats.batches_written_from_publish += 1
-        stats.messages_delivered += 1
-        if entry[2] is not None:
-            stats.delivery_latency.observe(now - entry[2])
+        seen_at = entry[2]
+        _record_delivery(stats, idle, 1, () if seen_at is None else (seen_at,))
         return True
 
     return deliver
@@ -258,8 +259,7 @@ async def serve_subscription(
                         broadcaster.stats.batches_written_at_once += 1
                     else:
                         broadcaster.stats.batches_written_waiting += 1
-                    idle.touch()
-                    _record_delivery(broadcaster, frames, seen)
+                    _record_delivery(broadcaster.stats, idle, len(frames), seen)
             if idle.expired():
                 subscriber.end(EndReason.IDLE)  # unless another reason came first
         assert subscriber.end_reason is not None
