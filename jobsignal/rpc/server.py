@@ -25,7 +25,7 @@ from grpclib.health.check import ServiceStatus
 
 from jobsignal.config import Config, LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason
-from jobsignal.rpc import _grpclib
+from jobsignal.rpc import _grpclib, socket_readers
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.codec import PassthroughCodec
 from jobsignal.rpc.connections import ConnectionTable, JobsignalServer
@@ -162,7 +162,11 @@ async def run_grpc_server(
     services: list[Any] = [service, health]
     services.append(LazyReflection(services))
     tls = ReloadingTls(settings.tls) if settings.tls is not None else None
-    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+    async with trio_asyncio.open_loop() as loop, trio.open_nursery() as nursery:
+        if socket_readers.AVAILABLE:
+            readers = socket_readers.SharedReaders(loop)
+            readers.install()
+            await nursery.start(readers.run)
         service.run_sessions_in(nursery)
         server = JobsignalServer(
             services,

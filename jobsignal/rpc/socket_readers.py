@@ -1,0 +1,126 @@
+"""Every socket the gRPC server's asyncio loop reads from, watched by one trio task.
+
+trio-asyncio serves asyncio's `add_reader` with a trio task per file
+descriptor: the task, its coroutine, a cancel scope in the handle and the
+descriptor's registration in trio's epoll, about 3 KB per connection that
+stay allocated while the connection is idle, which is most of its life.
+`SharedReaders` keeps an epoll set of its own instead. trio waits on that one
+descriptor; when it is readable, the task runs the read callback of every
+socket that is ready, once each, then lets the asyncio loop run what those
+callbacks scheduled, as trio-asyncio's task does after each callback. A
+connection's reader is then an asyncio handle and a kernel registration
+(docs/architecture.md section 8, "Lean per-connection state").
+
+Level-triggered epoll reports a socket again while it holds unread bytes, so
+one peer sending without pause gets one read per round, like every other
+ready socket, and cannot starve them. A callback's exception is reported by
+`asyncio.Handle` to the loop's exception handler and ends nothing else.
+
+The server opens its own loop (`rpc.server`), so every reader of that loop
+is served here: the listening sockets and each connection. Writers (a
+socket whose send buffer is full) stay with trio-asyncio: they are rare and
+short-lived. The trio-asyncio internals used are named in `install`, and
+tests/rpc/test_socket_readers.py checks they are still there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+# epoll is Linux's; elsewhere the server leaves its readers to trio-asyncio.
+AVAILABLE = hasattr(select, "epoll")
+
+# One epoll_wait returns at most this many ready sockets; the rest come next round.
+MAX_READY = 1024
+
+
+def _fd_of(fileobj: int | Any) -> int:
+    return fileobj if isinstance(fileobj, int) else int(fileobj.fileno())
+
+
+class _SharedReader(asyncio.Handle):
+    """A socket's read callback; cancelling it (asyncio's `_remove_reader`, or a
+    new reader for the same descriptor) takes the socket out of the epoll set."""
+
+    # `_scope`: trio-asyncio's `_cancel_fds` reads it off every reader at loop
+    # close, and cancels the trio scope it finds there; this one has none.
+    __slots__ = ("_fd", "_readers", "_scope")
+
+    def __init__(
+        self,
+        callback: Callable[..., object],
+        args: tuple[Any, ...],
+        loop: asyncio.AbstractEventLoop,
+        readers: SharedReaders,
+        fd: int,
+    ) -> None:
+        super().__init__(callback, args, loop)
+        self._readers = readers
+        self._fd = fd
+        self._scope = None
+
+    def cancel(self) -> None:
+        super().cancel()
+        self._readers.forget(self._fd, self)
+
+
+class SharedReaders:
+    """asyncio's `_add_reader` for one trio-asyncio loop, over one epoll set."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop: Any = loop
+        self._epoll = select.epoll()
+        self._readers: dict[int, _SharedReader] = {}
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+    def install(self) -> None:
+        """Serve the loop's readers from here (before its first reader, so none is
+        left with trio-asyncio)."""
+        loop = self._loop
+        # What `add_reader` and every transport call; the rest of trio-asyncio's
+        # reader bookkeeping (`_selector`, `_remove_reader`) is used as it is.
+        loop._add_reader = self.add_reader
+
+    def add_reader(self, fileobj: int | Any, callback: Callable[..., object], *args: Any) -> Any:
+        loop = self._loop
+        loop._check_closed()
+        fd = _fd_of(fileobj)
+        reader = _SharedReader(callback, args, loop, self, fd)
+        # The loop's selector is trio-asyncio's map of readers and writers, which
+        # `_remove_reader` and `_ensure_fd_no_transport` consult.
+        replaced = loop._set_read_handle(fd, reader)
+        if replaced is not None:
+            replaced.cancel()
+        self._readers[fd] = reader
+        try:
+            self._epoll.register(fd, select.EPOLLIN)
+        except FileExistsError:
+            self._epoll.modify(fd, select.EPOLLIN)
+        return reader
+
+    def forget(self, fd: int, reader: _SharedReader) -> None:
+        if self._readers.get(fd) is reader:
+            del self._readers[fd]
+            # Already gone from the set if the socket was closed first.
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the ready sockets' callbacks until cancelled; then the set is closed."""
+        with self._epoll:
+            task_status.started()
+            while True:
+                await trio.lowlevel.wait_readable(self._epoll.fileno())
+                for fd, _events in self._epoll.poll(0, MAX_READY):
+                    reader = self._readers.get(fd)
+                    if reader is not None and not reader.cancelled():
+                        reader._run()
+                await self._loop.synchronize()
