@@ -76,6 +76,7 @@ class BoundedQueue(Generic[P]):
         "_max_pending",
         "_max_pending_bytes",
         "_more_waiters",
+        "_on_wake",
         "_owed",
         "_owed_bytes",
         "_parked",
@@ -104,6 +105,9 @@ class BoundedQueue(Generic[P]):
         # made only for them.
         self._waiter: trio.lowlevel.Task | None = None
         self._more_waiters: list[trio.lowlevel.Task] | None = None
+        # Or, for a consumer with no task while its queue is empty (a gRPC
+        # stream's session), what starts one: called on every wake-up.
+        self._on_wake: Callable[[], None] | None = None
         # The consumer waits in `next_batch_timed` on an empty queue: nothing it
         # took is still on its way out, so a direct delivery keeps the order.
         self._parked = False
@@ -219,6 +223,12 @@ class BoundedQueue(Generic[P]):
                 await self._wait()
             finally:
                 self._parked = False
+        return self.take(max_frames)
+
+    def take(self, max_frames: int) -> tuple[list[P], list[float]]:
+        """Up to `max_frames` queued messages, in order, and when the watcher saw
+        each live one; nothing if the queue is empty. For a consumer that waits
+        by other means (`on_wake`)."""
         entries = self._pending.take(max_frames)
         frames = [frame for _, frame, _ in entries]
         seen = [seen_at for _, _, seen_at in entries if seen_at is not None]
@@ -254,8 +264,22 @@ class BoundedQueue(Generic[P]):
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED
 
+    def on_wake(self, callback: Callable[[], None]) -> None:
+        """Call `callback` whenever a waiting consumer would be woken: an entry
+        queued, or the end. A consumer that holds no task while the queue is
+        empty (`take`, then `park`) starts one there."""
+        self._on_wake = callback
+
+    def park(self) -> None:
+        """The consumer took everything and waits without a task (`on_wake`):
+        pushes go to its direct sink first, as while a task waits in
+        `next_batch_timed`."""
+        self._parked = True
+
     def _wake(self) -> None:
         """Wake every task waiting in `_wait`; each looks at the queue again."""
+        if self._on_wake is not None:
+            self._on_wake()
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             trio.lowlevel.reschedule(waiter)
@@ -264,10 +288,10 @@ class BoundedQueue(Generic[P]):
             for task in more:
                 trio.lowlevel.reschedule(task)
 
-    def attach(self, cancel_scope: trio.CancelScope) -> None:
-        """The stream task's current scope (a new one per quiet stretch): `end()` cancels it."""
+    def attach(self, cancel_scope: trio.CancelScope | None) -> None:
+        """The consumer task's scope, which `end()` cancels (None: no task now)."""
         self._cancel_scope = cancel_scope
-        if self.end_reason is not None:
+        if cancel_scope is not None and self.end_reason is not None:
             cancel_scope.cancel()
 
     def end(self, reason: EndReason) -> None:

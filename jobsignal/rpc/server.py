@@ -35,7 +35,7 @@ from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.reflection import LazyReflection
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
-from jobsignal.rpc.session import SessionSettings
+from jobsignal.rpc.session import Sessions, SessionSettings
 from jobsignal.rpc.tls import ReloadingTls, TlsFiles
 from jobsignal.status import SourceStatus
 
@@ -167,7 +167,9 @@ async def run_grpc_server(
             readers = socket_readers.SharedReaders(loop)
             readers.install()
             await nursery.start(readers.run)
-        service.run_sessions_in(nursery)
+        service.serve_sessions_with(
+            await nursery.start(Sessions(registry, broadcaster, settings.session).run)
+        )
         server = JobsignalServer(
             services,
             codec=PassthroughCodec(settings.max_request_bytes),

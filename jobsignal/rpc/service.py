@@ -1,13 +1,12 @@
 """The job.Job service: grpclib handlers, the asyncio side of each request.
 
 Register is bookkeeping and answers directly. Each Subscribe* stream's
-session (`rpc.session.serve_subscription`) runs as a trio task of the
-server's nursery, started straight from the handler, which waits for its end
-on an asyncio future: no trio-asyncio bridge per stream, whose handle,
-event, cancel scope and future cost about 1.5 KB per idle subscriber. The
-task writes its batches through `rpc.writer`. How the stream ended comes
-back as a value, and the trailers are sent here, outside any trio nursery,
-so the client sees the intended status.
+session (`rpc.session.Session`) is opened in the server's `Sessions` straight
+from the handler, which waits for its end on an asyncio future: no
+trio-asyncio bridge per stream, and no task at all while the stream is idle.
+The session writes its batches through `rpc.writer`. How the stream ended
+comes back as a value, and the trailers are sent here, outside any trio
+nursery, so the client sees the intended status.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import asyncio
 import functools
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpclib.const
@@ -32,7 +31,7 @@ from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.limits import RateLimiter
 from jobsignal.rpc.registry import Refused, Registry, RegistryFull
 from jobsignal.rpc.requests import read_client_info
-from jobsignal.rpc.session import SessionHandle, SessionSettings, StreamEnd, serve_subscription
+from jobsignal.rpc.session import Sessions, SessionSettings, StreamEnd, StreamRequest
 from jobsignal.rpc.writer import StreamWriter
 from jobsignal.text import clip
 
@@ -75,12 +74,12 @@ class JobService:
         self.subscribe_limiter = RateLimiter(limits.subscribe_rate, limits.subscribe_burst)
         # Unexpected exceptions caught at the handler boundary, by RPC.
         self.handler_errors: Counter[str] = Counter()
-        # Where the sessions run (`run_sessions_in`).
-        self._sessions: trio.Nursery | None = None
+        # Where the sessions run (`serve_sessions_with`).
+        self._sessions: Sessions | None = None
 
-    def run_sessions_in(self, nursery: trio.Nursery) -> None:
-        """Run the streams' sessions as tasks of `nursery` (the server's)."""
-        self._sessions = nursery
+    def serve_sessions_with(self, sessions: Sessions) -> None:
+        """Serve the streams' sessions in `sessions` (running in the server's nursery)."""
+        self._sessions = sessions
 
     def rate_limited(self) -> dict[str, int]:
         """Calls refused by the per-address rate limits, by RPC."""
@@ -226,30 +225,25 @@ class JobService:
             if not self._open_streams:
                 self._all_streams_closed.set()
 
-    async def _run_session(
-        self, session: Coroutine[Any, Any, StreamEnd], handle: SessionHandle
-    ) -> StreamEnd:
-        """Run `session` (not yet started) in the server's nursery and wait here for
-        how it ended. The coroutine itself is handed over, not a function and its
-        arguments: its frame is the only holder of them.
+    async def _run_session(self, request: StreamRequest) -> StreamEnd:
+        """Open the stream's session and wait here for how it ended.
 
+        The session runs in the server's `Sessions` (trio), opened from this
+        asyncio handler synchronously; it tells the future how it ended.
         grpclib cancels this handler when the client goes away (a reset, a lost
         connection); the session then ends as CLIENT_GONE and cleans up in its
         own task.
         """
         if self._sessions is None:
-            session.close()
-            raise RuntimeError("JobService.run_sessions_in was not called")
+            raise RuntimeError("JobService.serve_sessions_with was not called")
         ended: asyncio.Future[StreamEnd] = asyncio.get_running_loop().create_future()
-        try:
-            self._sessions.start_soon(_resolve, ended, session)
-        except RuntimeError:  # the server's nursery has closed
-            session.close()
-            raise
+        opened = self._sessions.open(request, functools.partial(_settle, ended))
+        if isinstance(opened, StreamEnd):
+            return opened
         try:
             return await ended
         except asyncio.CancelledError:
-            handle.client_gone()
+            opened.client_gone()
             raise
 
     async def wait_streams_closed(self) -> None:
@@ -260,42 +254,28 @@ class JobService:
         activity = self.connections.activity_of(stream)
         # Not the protocol itself: grpclib keeps finished handlers for a while.
         writer = StreamWriter(
-            stream, self.connections.protocol_of(stream).output, self.settings.send_timeout
+            stream,
+            self.connections.protocol_of(stream).output,
+            self.settings.send_timeout,
+            asyncio.get_running_loop(),
         )
-        handle = SessionHandle()
-        session = serve_subscription(
-            kind=kind,
-            role=request.role,
-            client_id=request.client_id,
-            registry=self.registry,
-            broadcaster=self.broadcaster,
-            settings=self.settings,
-            activity=activity,
-            send=writer.write,
-            send_now=writer.write_now,
-            handle=handle,
+        end = await self._run_session(
+            StreamRequest(
+                kind, request.role, request.client_id, activity, writer.write, writer.write_now
+            )
         )
-        end = await self._run_session(session, handle)
         await stream.send_trailing_metadata(status=end.status, status_message=end.message)
         if end.close_connection_if_unused:
             self.connections.close_if_unused(stream)
 
 
-async def _resolve(
-    ended: asyncio.Future[StreamEnd], session: Coroutine[Any, Any, StreamEnd]
-) -> None:
-    """Run `session` (in a trio task) and settle `ended` with its outcome. An error
-    goes to the handler, whose fault boundary answers INTERNAL: it must not end
-    the server's nursery."""
-    try:
-        end = await session
-    except Exception as error:
-        if not ended.done():
-            ended.set_exception(error)
-    except BaseException:  # cancelled with the server's nursery
-        if not ended.done():
-            ended.cancel()
-        raise
+def _settle(ended: asyncio.Future[StreamEnd], outcome: StreamEnd | Exception) -> None:
+    """How a session ended, to the handler waiting for it. An error goes to the
+    handler, whose fault boundary answers INTERNAL. Nothing when the handler
+    was cancelled first (the client went away)."""
+    if ended.done():
+        return
+    if isinstance(outcome, Exception):
+        ended.set_exception(outcome)
     else:
-        if not ended.done():  # not when the handler was cancelled first
-            ended.set_result(end)
+        ended.set_result(outcome)

@@ -1,24 +1,33 @@
-"""One subscription stream, as a trio task: the idle rule and the send loop.
+"""Subscription streams: the idle rule and the send loop, with no task while idle.
 
-The stream runs inside a cancel scope armed at the idle deadline: every batch
-written to the client and every heartbeat on its connection records activity,
-and a scope that fires with activity since is opened again at the new
-deadline, so expiry needs no timer task and is exact in virtual time. Other
-ways a stream ends (replaced, too slow, server shutdown) cancel the
-subscriber's scope and leave their reason on it. The function returns how
-the stream ended instead of raising a gRPC error, so the status is decided
-outside any nursery (docs/architecture.md section 8, "The grpclib adapter and
-why it exists").
+A stream's `Session` holds a trio task only while it has messages to write:
+one is started when its queue is woken (an entry queued, or the end) and
+returns once the queue is empty. An idle stream is then its objects and
+nothing else, no coroutine frames and no cancel scope; a message for it
+goes out from `publish` itself when HTTP/2 takes it at once
+(`Subscriber.deliver_directly`). Every stream's idle deadline is watched by
+the one task of `Sessions`: every message written and every heartbeat on
+its connection records activity, and a deadline that comes with activity
+since is set again from the last, so a stream closes exactly `idle_timeout`
+after its last message or heartbeat, in virtual time too. Other ways a
+stream ends (replaced, too slow, the client gone, server shutdown) end the
+subscriber, whose wake-up runs the session's task to its clean-up. How the
+stream ended is handed to the side that opened it (`done`) as a value, so
+the gRPC status is decided outside any nursery (docs/architecture.md
+section 8, "The grpclib adapter and why it exists").
 
-Nothing here moves a trio deadline per message: the idle scope is re-armed
-once per quiet stretch, and the send timeout is applied by the sender only
-when a batch has to wait (a deadline per batch cost more than the rest of
-the send loop together).
+Nothing here moves a trio deadline per message: activity only stores the
+time, and the send timeout is applied by the sender only when a batch has
+to wait (a deadline per batch cost more than the rest of the send loop).
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,15 +37,15 @@ from grpclib.const import Status
 from jobsignal.config import LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
 from jobsignal.fanout.stats import FanoutStats
-from jobsignal.fanout.subscriber import QueueEntry, Subscriber
+from jobsignal.fanout.subscriber import QueueEntry
 from jobsignal.rpc.activity import ConnectionActivity
-from jobsignal.rpc.registry import Refused, Registry
+from jobsignal.rpc.registry import Claim, Refused, Registry
 from jobsignal.text import clip
 
 log = logging.getLogger(__name__)
 
-# Messages written per trio->asyncio hop: large enough to amortise the hop,
-# small enough that one batch never hogs the loop.
+# Messages written per batch: large enough to amortise a write, small enough
+# that one batch never hogs the loop.
 MAX_BATCH = 256
 
 # Writes a batch to the client; True when it went out without waiting for
@@ -46,29 +55,15 @@ Send = Callable[[list[bytes]], Awaitable[bool]]
 
 # Sends one message now if HTTP/2 takes all of it without waiting, else sends
 # nothing and returns False (`rpc.writer.StreamWriter.write_now`); `publish`
-# calls it while the stream's task is parked, so no task is woken per message.
+# calls it while the session has no task, so no task is woken per message.
 SendNow = Callable[[bytes], bool]
+
+# Told once how a session ended: the status to send, or the error that ended it.
+Done = Callable[["StreamEnd | Exception"], None]
 
 
 class SendTimedOut(Exception):
     """A batch waited `send_timeout` for the client to read: the client is too slow."""
-
-
-class SessionHandle:
-    """How the side that started a session tells it the client went away
-    (`rpc.service`, whose asyncio handler grpclib cancels): the session ends
-    with CLIENT_GONE, or never subscribes if it has not started yet."""
-
-    __slots__ = ("gone", "subscriber")
-
-    def __init__(self) -> None:
-        self.gone = False
-        self.subscriber: Subscriber | None = None
-
-    def client_gone(self) -> None:
-        self.gone = True
-        if self.subscriber is not None:
-            self.subscriber.end(EndReason.CLIENT_GONE)
 
 
 @dataclass(frozen=True)
@@ -121,16 +116,12 @@ def end_for(reason: EndReason, settings: SessionSettings, pending: int = 0) -> S
 
 
 class IdleDeadline:
-    """The idle rule's clock: `touch()` records activity, and `scope()` is a cancel
-    scope that fires no earlier than the last activity plus the timeout.
+    """The idle rule's clock for one stream: `touch()` records activity (it only
+    stores the time: moving a trio deadline on every message, tens of thousands
+    a second, costs a heap push each), `expired()` says whether the timeout has
+    passed since the last activity."""
 
-    Touching only stores the time: moving a trio deadline on every message (tens
-    of thousands a second) costs a heap push each. The scope is armed at the
-    activity known when it is opened; when it fires, `expired()` tells a real
-    idle stream from one with activity since, which opens a new scope armed at
-    its last activity. So a stream still closes exactly `timeout` after its
-    last message or heartbeat, at one re-arm per quiet stretch at most.
-    """
+    __slots__ = ("last", "timeout")
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -139,11 +130,12 @@ class IdleDeadline:
     def touch(self, now: float | None = None) -> None:
         self.last = trio.current_time() if now is None else now
 
-    def scope(self) -> trio.CancelScope:
-        return trio.CancelScope(deadline=self.last + self.timeout)
+    @property
+    def deadline(self) -> float:
+        return self.last + self.timeout
 
     def expired(self) -> bool:
-        return trio.current_time() >= self.last + self.timeout
+        return trio.current_time() >= self.deadline
 
 
 def _record_delivery(
@@ -158,21 +150,289 @@ def _record_delivery(
         stats.delivery_latency.observe(now - seen_at)
 
 
-def _direct_sink(
-    send_now: SendNow, idle: IdleDeadline, stats: FanoutStats
-) -> Callable[[QueueEntry], bool]:
-    """What `publish` offers a parked subscriber's messages to: sent at once, the
-    activity recorded and the delivery counted as the stream's task would."""
+@dataclass(frozen=True)
+class StreamRequest:
+    """Who subscribes, to what, and through which connection and writer."""
 
-    def deliver(entry: QueueEntry) -> bool:
-        if not send_now(entry[1]):
+    kind: StreamKind
+    role: str
+    client_id: str
+    activity: ConnectionActivity
+    send: Send
+    # None: every message waits for the session's task (tests, benchmarks).
+    send_now: SendNow | None = None
+
+
+class Sessions:
+    """Where subscription streams are served: the nursery their tasks run in,
+    and the one task that watches every stream's idle deadline (`run`)."""
+
+    def __init__(
+        self, registry: Registry, broadcaster: Broadcaster, settings: SessionSettings
+    ) -> None:
+        self.registry = registry
+        self.broadcaster = broadcaster
+        self.settings = settings
+        self._nursery: trio.Nursery | None = None
+        # [deadline, order, session]: the session is None once it has ended.
+        self._deadlines: list[list[object]] = []
+        self._order = itertools.count()
+        self._live: set[Session] = set()
+        self._wake_timer: trio.CancelScope | None = None
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[Sessions] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve sessions until cancelled; the sessions still open then end as SHUTDOWN."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started(self)
+                await self._watch_deadlines()
+        finally:
+            self._nursery = None
+            for session in list(self._live):
+                session.subscriber.end(EndReason.SHUTDOWN)
+                session.finish()
+
+    def open(self, request: StreamRequest, done: Done) -> Session | StreamEnd:
+        """Subscribe `request` and serve it from now on, or say why not (refused).
+
+        Synchronous, so it may be called from grpclib's asyncio handler: the
+        session's tasks run in this object's nursery. `done` is told how the
+        stream ended, once; the session is not told to end by the caller
+        except through `Session.client_gone`.
+        """
+        if self._nursery is None:
+            raise RuntimeError("Sessions.run is not running")
+        try:
+            claim, replaced = self.registry.claim(
+                request.client_id, request.role, trio.current_time(), address=request.activity.ip
+            )
+        except Refused as refusal:
+            log.info(
+                "subscribe refused: %s (role %r, peer %s)",
+                refusal.message,
+                request.role,
+                request.activity.peer,
+                extra={
+                    "event": "subscribe_refused",
+                    "stream": request.kind.value,
+                    "role": clip(request.role),
+                    "client_id": clip(request.client_id),
+                    "peer": request.activity.peer,
+                    "reason": refusal.status.name,
+                },
+            )
+            self.broadcaster.stats.stream_ended(EndReason.REFUSED)
+            return StreamEnd(refusal.status, refusal.message, EndReason.REFUSED)
+        if replaced is not None:
+            for other in self.broadcaster.subscribers:
+                if other.client_id == request.client_id:
+                    other.end(EndReason.REPLACED)
+        session = Session(self, request, claim, done)
+        self._live.add(session)
+        self._watch(session)
+        session.start()
+        return session
+
+    def _start_task(self, session: Session) -> None:
+        # Stopping (the nursery gone or closed): `run` ends what is left.
+        if self._nursery is not None:
+            with contextlib.suppress(RuntimeError):
+                self._nursery.start_soon(session.drain)
+
+    def _forget(self, session: Session) -> None:
+        self._live.discard(session)
+        entry = session.deadline_entry
+        if entry is not None:
+            entry[2] = None
+            session.deadline_entry = None
+        # Ended sessions' entries wait for their deadline; bound how many there are.
+        if len(self._deadlines) > 2 * len(self._live) + 64:
+            self._deadlines = [entry for entry in self._deadlines if entry[2] is not None]
+            heapq.heapify(self._deadlines)
+
+    def _watch(self, session: Session) -> None:
+        entry: list[object] = [session.idle.deadline, next(self._order), session]
+        session.deadline_entry = entry
+        heapq.heappush(self._deadlines, entry)
+        timer = self._wake_timer
+        if timer is not None and session.idle.deadline < timer.deadline:
+            timer.deadline = session.idle.deadline
+
+    async def _watch_deadlines(self) -> None:
+        deadlines = self._deadlines
+        while True:
+            first = deadlines[0][0] if deadlines else math.inf
+            assert isinstance(first, float)
+            with trio.CancelScope(deadline=first) as self._wake_timer:
+                await trio.sleep_forever()
+            self._wake_timer = None
+            now = trio.current_time()
+            deadlines = self._deadlines  # `_forget` may have rebuilt it
+            while deadlines and deadlines[0][0] <= now:  # type: ignore[operator]
+                entry = heapq.heappop(deadlines)
+                session = entry[2]
+                if not isinstance(session, Session):
+                    continue  # ended before its deadline
+                session.deadline_entry = None
+                if session.idle.expired():
+                    session.subscriber.end(EndReason.IDLE)  # its task cleans up
+                else:
+                    self._watch(session)  # activity since: from the last one
+
+
+class Session:
+    """One subscription stream: its queue, its idle clock, and a task only while
+    it has something to write."""
+
+    __slots__ = (
+        "_done",
+        "_running",
+        "claim",
+        "deadline_entry",
+        "finished",
+        "idle",
+        "request",
+        "sessions",
+        "subscriber",
+    )
+
+    def __init__(
+        self, sessions: Sessions, request: StreamRequest, claim: Claim, done: Done
+    ) -> None:
+        self.sessions = sessions
+        self.request = request
+        self.claim = claim
+        self._done = done
+        self._running = False
+        self.finished = False
+        self.deadline_entry: list[object] | None = None
+        settings = sessions.settings
+        self.subscriber = sessions.broadcaster.subscribe(
+            request.kind,
+            request.role,
+            request.client_id,
+            snapshot=request.role in settings.snapshot_roles,
+        )
+        self.idle = IdleDeadline(settings.idle_timeout)
+        request.activity.heartbeat_listeners.add(self.idle.touch)
+        log.info(
+            "client subscribed: %s role=%s id=%s peer=%s",
+            request.kind.value,
+            request.role,
+            request.client_id,
+            request.activity.peer,
+            extra={
+                "event": "client_subscribed",
+                "stream": request.kind.value,
+                "role": request.role,
+                "client_id": request.client_id,
+                "peer": request.activity.peer,
+            },
+        )
+
+    def start(self) -> None:
+        subscriber = self.subscriber
+        if self.request.send_now is not None:
+            subscriber.deliver_directly(self._deliver_now)
+        subscriber.on_wake(self._wake)
+        if subscriber.pending:  # the snapshot it is owed
+            self._wake()
+        else:
+            subscriber.park()
+
+    def client_gone(self) -> None:
+        """The client went away (grpclib cancelled the handler): end as CLIENT_GONE."""
+        self.subscriber.end(EndReason.CLIENT_GONE)
+
+    def _wake(self) -> None:
+        if not self._running and not self.finished:
+            self._running = True
+            self.sessions._start_task(self)
+
+    def _deliver_now(self, entry: QueueEntry) -> bool:
+        # What `publish` offers while the session has no task: sent at once,
+        # the activity recorded and the delivery counted as the task would.
+        send_now = self.request.send_now
+        if send_now is None or not send_now(entry[1]):
             return False
+        stats = self.sessions.broadcaster.stats
         stats.batches_written_from_publish += 1
         seen_at = entry[2]
-        _record_delivery(stats, idle, 1, () if seen_at is None else (seen_at,))
+        _record_delivery(stats, self.idle, 1, () if seen_at is None else (seen_at,))
         return True
 
-    return deliver
+    async def drain(self) -> None:
+        """The session's task: write what is queued, then return, parked, or clean
+        up if the stream has ended."""
+        subscriber = self.subscriber
+        stats = self.sessions.broadcaster.stats
+        send = self.request.send
+        try:
+            with trio.CancelScope() as scope:
+                subscriber.attach(scope)
+                while subscriber.end_reason is None:
+                    frames, seen = subscriber.take(MAX_BATCH)
+                    if not frames:
+                        subscriber.park()
+                        break
+                    try:
+                        at_once = await send(frames)
+                    except SendTimedOut:
+                        subscriber.end(EndReason.SLOW)
+                        break
+                    if at_once:
+                        stats.batches_written_at_once += 1
+                    else:
+                        stats.batches_written_waiting += 1
+                    _record_delivery(stats, self.idle, len(frames), seen)
+            subscriber.attach(None)
+        except Exception as error:
+            subscriber.end(EndReason.SHUTDOWN)  # freed now; the handler answers INTERNAL
+            self.finish(error)
+            return
+        finally:
+            self._running = False
+            if subscriber.end_reason is not None:  # also when cancelled with the server
+                self.finish()
+
+    def finish(self, error: Exception | None = None) -> None:
+        """Release everything the stream held and tell `done` (once)."""
+        if self.finished:
+            return
+        self.finished = True
+        subscriber = self.subscriber
+        request = self.request
+        sessions = self.sessions
+        why = subscriber.end_reason or EndReason.CLIENT_GONE
+        sessions.broadcaster.stats.stream_ended(why)
+        request.activity.heartbeat_listeners.discard(self.idle.touch)
+        sessions.broadcaster.unsubscribe(subscriber)
+        sessions.registry.release(self.claim)
+        subscriber.end(why)
+        sessions._forget(self)
+        log.info(
+            "client subscription ended: %s role=%s id=%s peer=%s reason=%s",
+            request.kind.value,
+            request.role,
+            request.client_id,
+            request.activity.peer,
+            why.value,
+            extra={
+                "event": "client_subscription_ended",
+                "stream": request.kind.value,
+                "role": request.role,
+                "client_id": request.client_id,
+                "peer": request.activity.peer,
+                "reason": why.value,
+            },
+        )
+        self._done(error if error is not None else end_for(why, sessions.settings))
 
 
 async def serve_subscription(
@@ -186,106 +446,31 @@ async def serve_subscription(
     activity: ConnectionActivity,
     send: Send,
     send_now: SendNow | None = None,
-    handle: SessionHandle | None = None,
 ) -> StreamEnd:
-    """Serve one Subscribe* stream until it ends; return the status to send.
+    """Serve one stream until it ends, with `Sessions` of its own; return the
+    status to send (tests and benchmarks: the server shares one `Sessions`).
+    Cancelled, the stream ends as CLIENT_GONE."""
+    ended: list[StreamEnd | Exception] = []
+    done = trio.Event()
 
-    With a `handle`, a client gone before the session started is never
-    subscribed, and one gone later ends it (`SessionHandle.client_gone`).
-    """
-    if handle is not None and handle.gone:
-        broadcaster.stats.stream_ended(EndReason.CLIENT_GONE)
-        return end_for(EndReason.CLIENT_GONE, settings)
-    try:
-        claim, replaced = registry.claim(client_id, role, trio.current_time(), address=activity.ip)
-    except Refused as refusal:
-        log.info(
-            "subscribe refused: %s (role %r, peer %s)",
-            refusal.message,
-            role,
-            activity.peer,
-            extra={
-                "event": "subscribe_refused",
-                "stream": kind.value,
-                "role": clip(role),
-                "client_id": clip(client_id),
-                "peer": activity.peer,
-                "reason": refusal.status.name,
-            },
+    def settle(outcome: StreamEnd | Exception) -> None:
+        ended.append(outcome)
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        sessions: Sessions = await nursery.start(Sessions(registry, broadcaster, settings).run)
+        opened = sessions.open(
+            StreamRequest(kind, role, client_id, activity, send, send_now), settle
         )
-        broadcaster.stats.stream_ended(EndReason.REFUSED)
-        return StreamEnd(refusal.status, refusal.message, EndReason.REFUSED)
-    if replaced is not None:
-        for other in broadcaster.subscribers:
-            if other.client_id == client_id:
-                other.end(EndReason.REPLACED)
-    subscriber = broadcaster.subscribe(
-        kind, role, client_id, snapshot=role in settings.snapshot_roles
-    )
-    if handle is not None:
-        handle.subscriber = subscriber
-    idle = IdleDeadline(settings.idle_timeout)
-    activity.heartbeat_listeners.add(idle.touch)
-    log.info(
-        "client subscribed: %s role=%s id=%s peer=%s",
-        kind.value,
-        role,
-        client_id,
-        activity.peer,
-        extra={
-            "event": "client_subscribed",
-            "stream": kind.value,
-            "role": role,
-            "client_id": client_id,
-            "peer": activity.peer,
-        },
-    )
-    try:
-        if send_now is not None:
-            subscriber.deliver_directly(_direct_sink(send_now, idle, broadcaster.stats))
-        while subscriber.end_reason is None:
-            # One scope at a time (each costs half a kilobyte per idle stream): armed
-            # at the idle deadline, and cancelled by `end()` for any other reason.
-            with idle.scope() as scope:
-                subscriber.attach(scope)
-                while True:
-                    frames, seen = await subscriber.next_batch_timed(MAX_BATCH)
-                    try:
-                        at_once = await send(frames)
-                    except SendTimedOut:
-                        subscriber.end(EndReason.SLOW)  # the next wait is cancelled
-                        continue
-                    if at_once:
-                        broadcaster.stats.batches_written_at_once += 1
-                    else:
-                        broadcaster.stats.batches_written_waiting += 1
-                    _record_delivery(broadcaster.stats, idle, len(frames), seen)
-            if idle.expired():
-                subscriber.end(EndReason.IDLE)  # unless another reason came first
-        assert subscriber.end_reason is not None
-        return end_for(subscriber.end_reason, settings)
-    finally:
-        # Reached on every path, including the client going away (cancellation).
-        why = subscriber.end_reason or EndReason.CLIENT_GONE
-        broadcaster.stats.stream_ended(why)
-        reason = why.value
-        activity.heartbeat_listeners.discard(idle.touch)
-        broadcaster.unsubscribe(subscriber)
-        registry.release(claim)
-        subscriber.end(subscriber.end_reason or EndReason.SHUTDOWN)
-        log.info(
-            "client subscription ended: %s role=%s id=%s peer=%s reason=%s",
-            kind.value,
-            role,
-            client_id,
-            activity.peer,
-            reason,
-            extra={
-                "event": "client_subscription_ended",
-                "stream": kind.value,
-                "role": role,
-                "client_id": client_id,
-                "peer": activity.peer,
-                "reason": reason,
-            },
-        )
+        if isinstance(opened, StreamEnd):
+            nursery.cancel_scope.cancel()
+            return opened
+        try:
+            await done.wait()
+        finally:
+            opened.client_gone()  # a no-op once it has ended
+            nursery.cancel_scope.cancel()
+    outcome = ended[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome

@@ -47,11 +47,19 @@ def frame(frames: list[bytes]) -> bytes:
 class StreamWriter:
     """Writes one server stream's batches through its connection's output."""
 
-    def __init__(self, stream: Stream, output: ConnectionOutput, send_timeout: float) -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        output: ConnectionOutput,
+        send_timeout: float,
+        loop: trio_asyncio.TrioEventLoop,
+    ) -> None:
         self._stream = stream
         self._output = output
         self._send_timeout = send_timeout
-        self._send_headers = trio_asyncio.aio_as_trio(stream.send_initial_metadata)
+        # The loop grpclib runs on, named: `write` runs in whichever trio task the
+        # session started, which need not know of the loop (`publish`'s does not).
+        self._loop = loop
 
     async def write(self, frames: list[bytes]) -> bool:
         """Write a batch; True when it all went out without waiting.
@@ -62,7 +70,7 @@ class StreamWriter:
         if not _grpclib.headers_sent(self._stream):
             # Once, through grpclib: then a first batch (a whole snapshot) is sliced too.
             with trio.move_on_after(self._send_timeout) as waited:
-                await self._send_headers()
+                await self._loop.run_aio_coroutine(self._stream.send_initial_metadata())
             if waited.cancelled_caught:
                 raise SendTimedOut
         data = memoryview(frame(frames))

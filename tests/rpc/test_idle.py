@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import trio
 import trio.testing
 from grpclib.const import Status
 
-from jobsignal.fanout import Broadcaster, EndReason, StreamKind
+from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.registry import Refused, Registry
-from jobsignal.rpc.session import (
-    SendTimedOut,
-    SessionHandle,
-    SessionSettings,
-    StreamEnd,
-    serve_subscription,
-)
+from jobsignal.rpc.session import SendTimedOut, SessionSettings, StreamEnd, serve_subscription
 from tests.support.factories import make_job
 
 ROLE = "CCAgent"
@@ -47,9 +39,7 @@ class Harness:
         self.sent_at.append(trio.current_time())
         return True
 
-    async def serve(
-        self, kind: StreamKind = StreamKind.SIGNAL, handle: SessionHandle | None = None
-    ) -> None:
+    async def serve(self, kind: StreamKind = StreamKind.SIGNAL) -> None:
         self.end = await serve_subscription(
             kind=kind,
             role=ROLE,
@@ -60,7 +50,6 @@ class Harness:
             activity=self.activity,
             send=self.send,
             send_now=self.send_now if self.direct else None,
-            handle=handle,
         )
         self.ended_at = trio.current_time()
 
@@ -200,37 +189,4 @@ async def test_cancellation_releases_everything(autojump_clock: trio.testing.Moc
     with trio.move_on_after(30):
         await harness.serve()
     assert harness.end is None
-    harness.assert_released()
-
-
-async def test_a_client_gone_before_the_session_starts_is_never_subscribed(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    harness = Harness()
-    handle = SessionHandle()
-    handle.client_gone()
-    await harness.serve(handle=handle)
-    assert harness.end is not None and harness.end.reason is EndReason.CLIENT_GONE
-    assert harness.broadcaster.stats.stream_ends[EndReason.CLIENT_GONE.value] == 1
-    assert not harness.broadcaster.subscribers
-    assert harness.registry.active_subscriptions() == 0
-    assert not harness.activity.heartbeat_listeners
-    # Its registration was not spent: the client may still subscribe with it.
-    harness.registry.claim(harness.client_id, ROLE, trio.current_time(), address="test-peer")
-
-
-async def test_a_client_gone_ends_its_session_then_and_there(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    harness = Harness()
-    handle = SessionHandle()
-    start = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(functools.partial(harness.serve, handle=handle))
-        await trio.sleep(30)
-        assert harness.broadcaster.subscribers  # subscribed, idle
-        handle.client_gone()
-    assert harness.end is not None and harness.end.reason is EndReason.CLIENT_GONE
-    assert harness.ended_at == pytest.approx(start + 30)
-    assert harness.broadcaster.stats.stream_ends[EndReason.CLIENT_GONE.value] == 1
     harness.assert_released()
