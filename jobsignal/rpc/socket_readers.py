@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import select
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,16 @@ MAX_READY = 1024
 
 def _fd_of(fileobj: int | Any) -> int:
     return fileobj if isinstance(fileobj, int) else int(fileobj.fileno())
+
+
+def _is_open(fd: int) -> bool:
+    # A socket closed without its reader removed first (asyncio's transports
+    # always remove it) is not handed on.
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 class _SharedReader(asyncio.Handle):
@@ -82,8 +93,8 @@ class SharedReaders:
         return len(self._readers)
 
     def install(self) -> None:
-        """Serve the loop's readers from here (before its first reader, so none is
-        left with trio-asyncio)."""
+        """Serve the loop's readers from here while `run` runs (install before the
+        loop's first reader, so none is left with trio-asyncio)."""
         loop = self._loop
         # What `add_reader` and every transport call; the rest of trio-asyncio's
         # reader bookkeeping (`_selector`, `_remove_reader`) is used as it is.
@@ -91,6 +102,8 @@ class SharedReaders:
 
     def add_reader(self, fileobj: int | Any, callback: Callable[..., object], *args: Any) -> Any:
         loop = self._loop
+        if self._epoll.closed:  # `run` has ended: trio-asyncio's own way
+            return type(loop)._add_reader(loop, fileobj, callback, *args)
         loop._check_closed()
         fd = _fd_of(fileobj)
         reader = _SharedReader(callback, args, loop, self, fd)
@@ -109,13 +122,20 @@ class SharedReaders:
     def forget(self, fd: int, reader: _SharedReader) -> None:
         if self._readers.get(fd) is reader:
             del self._readers[fd]
+            if self._epoll.closed:
+                return
             # Already gone from the set if the socket was closed first.
             with contextlib.suppress(OSError):
                 self._epoll.unregister(fd)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the ready sockets' callbacks until cancelled; then the set is closed."""
-        with self._epoll:
+        """Run the ready sockets' callbacks until cancelled.
+
+        Then the readers still installed go back to trio-asyncio, one task each:
+        cancelled with the server's nursery, this task may end before the
+        server's stop has closed every connection, which still reads meanwhile.
+        """
+        try:
             task_status.started()
             while True:
                 await trio.lowlevel.wait_readable(self._epoll.fileno())
@@ -124,3 +144,18 @@ class SharedReaders:
                     if reader is not None and not reader.cancelled():
                         reader._run()
                 await self._loop.synchronize()
+        finally:
+            self._epoll.close()
+            self._hand_back()
+
+    def _hand_back(self) -> None:
+        loop = self._loop
+        for fd, reader in list(self._readers.items()):
+            del self._readers[fd]
+            if reader.cancelled() or loop.is_closed() or not _is_open(fd):
+                continue
+            # Replaces (and so cancels) this reader in the loop's selector map.
+            # trio-asyncio starts its task in the loop's nursery, if still open.
+            handle: Any = reader  # asyncio.Handle's own fields, not in its stubs
+            with contextlib.suppress(RuntimeError):
+                type(loop)._add_reader(loop, fd, handle._callback, *handle._args)

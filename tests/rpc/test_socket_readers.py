@@ -214,3 +214,25 @@ def count_tasks() -> int:
         seen += 1
         pending.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
     return seen
+
+
+async def test_readers_go_back_to_trio_asyncio_when_the_task_ends_first() -> None:
+    """Cancelled with the server's nursery, the task may end while the server's stop
+    still reads from its connections."""
+    with socket_pairs(2) as [(ours, theirs), (later, later_peer)]:
+        got: list[bytes] = []
+        async with trio_asyncio.open_loop() as loop:
+            readers = SharedReaders(loop)
+            readers.install()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(readers.run)
+                loop.add_reader(ours, lambda: got.append(ours.recv(100)))
+                nursery.cancel_scope.cancel()
+            assert len(readers) == 0
+            theirs.send(b"still read")
+            loop.add_reader(later, lambda: got.append(later.recv(100)))  # after the end
+            later_peer.send(b"added later")
+            await until(lambda: len(got) == 2)
+            assert sorted(got) == [b"added later", b"still read"]
+            loop.remove_reader(ours)
+            loop.remove_reader(later)
