@@ -158,6 +158,22 @@ def advertise_stream_limit(h2_connection: H2Connection, advertised: int, enforce
     )  # type: ignore[assignment]
 
 
+def keep_encoder_table_empty(h2_connection: H2Connection) -> None:
+    """The server's HPACK encoder without a dynamic table: run when the connection
+    is made and after each SETTINGS frame of the peer (h2 resizes the table to
+    the peer's HEADER_TABLE_SIZE then).
+
+    A connection answers a Register and a Subscribe or two, whose response
+    headers and trailers gain little from indexing, while the table would keep
+    them for the connection's whole life. An encoder may use less than the
+    size its peer allows and says so at the start of its next header block
+    (RFC 7541 section 4.2). The decoder's table stays: telling the peer 0 is
+    not enough, since gRPC's C core may send a header block it encoded before
+    it read that SETTINGS frame, which h2 then refuses.
+    """
+    h2_connection.encoder.header_table_size = 0
+
+
 # -- lighter containers (rpc.lean) ---------------------------------------------------------------
 
 

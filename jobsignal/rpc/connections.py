@@ -209,6 +209,7 @@ class ObservedH2Protocol(H2Protocol):
         _grpclib.advertise_stream_limit(h2_connection, advertised, hard_stream_limit(advertised))
         _grpclib.lighten_settings(h2_connection)
         _grpclib.lighten_header_tables(h2_connection)
+        _grpclib.keep_encoder_table_empty(h2_connection)
         activity, budget = self.activity, self.budget
 
         def frames_sent() -> None:
@@ -306,6 +307,7 @@ class ObservedH2Protocol(H2Protocol):
             if isinstance(event, RemoteSettingsChanged):
                 # h2 made a deque for each setting the peer named for the first time.
                 _grpclib.lighten_settings(_grpclib.h2_connection_of(self))
+                _grpclib.keep_encoder_table_empty(_grpclib.h2_connection_of(self))
                 if self._handshake_timer is not None:
                     self._handshake_timer.cancel()
                     self._handshake_timer = None

@@ -219,7 +219,23 @@ class JobService:
         if self._all_streams_closed.is_set():
             self._all_streams_closed = trio.Event()
         try:
-            await self._serve_stream(kind, stream, request)
+            # Here, not in a helper: this frame lives as long as the stream.
+            activity = self.connections.activity_of(stream)
+            # Not the protocol itself: grpclib keeps finished handlers for a while.
+            writer = StreamWriter(
+                stream,
+                self.connections.protocol_of(stream).output,
+                self.settings.send_timeout,
+                asyncio.get_running_loop(),
+            )
+            end = await self._run_session(
+                StreamRequest(
+                    kind, request.role, request.client_id, activity, writer.write, writer.write_now
+                )
+            )
+            await stream.send_trailing_metadata(status=end.status, status_message=end.message)
+            if end.close_connection_if_unused:
+                self.connections.close_if_unused(stream)
         finally:
             self._open_streams -= 1
             if not self._open_streams:
@@ -249,24 +265,6 @@ class JobService:
     async def wait_streams_closed(self) -> None:
         """Until every Subscribe handler has sent its trailers (for shutdown)."""
         await self._all_streams_closed.wait()
-
-    async def _serve_stream(self, kind: StreamKind, stream: Stream, request: ClientInfo) -> None:
-        activity = self.connections.activity_of(stream)
-        # Not the protocol itself: grpclib keeps finished handlers for a while.
-        writer = StreamWriter(
-            stream,
-            self.connections.protocol_of(stream).output,
-            self.settings.send_timeout,
-            asyncio.get_running_loop(),
-        )
-        end = await self._run_session(
-            StreamRequest(
-                kind, request.role, request.client_id, activity, writer.write, writer.write_now
-            )
-        )
-        await stream.send_trailing_metadata(status=end.status, status_message=end.message)
-        if end.close_connection_if_unused:
-            self.connections.close_if_unused(stream)
 
 
 def _settle(ended: asyncio.Future[StreamEnd], outcome: StreamEnd | Exception) -> None:

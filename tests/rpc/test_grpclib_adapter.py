@@ -550,3 +550,21 @@ def test_send_now_builds_no_hyperframe_frame(monkeypatch: pytest.MonkeyPatch) ->
     assert _grpclib.send_now(server_stream_on(server, 1), many) == 40_000
     with pytest.raises(AssertionError, match="DataFrame"):  # the patch is in force
         server.send_data(1, b"m")
+
+
+def test_the_servers_encoder_keeps_no_dynamic_table() -> None:
+    server, client = h2_pair()
+    _grpclib.keep_encoder_table_empty(server)
+    for index in range(3):
+        request_and_response(server, client, index)  # the client decodes every response
+        assert len(server.encoder.header_table.dynamic_entries) == 0
+    # The peer's SETTINGS resize h2's encoder table: run again after each of them.
+    client.update_settings({SettingCodes.HEADER_TABLE_SIZE: 8192})
+    server.receive_data(client.data_to_send())
+    assert server.encoder.header_table_size == 8192
+    _grpclib.keep_encoder_table_empty(server)
+    client.receive_data(server.data_to_send())
+    request_and_response(server, client, 3)
+    assert len(server.encoder.header_table.dynamic_entries) == 0
+    # The decoder's table is the peer's to fill, as before (see the docstring).
+    assert len(server.decoder.header_table.dynamic_entries) > 0
