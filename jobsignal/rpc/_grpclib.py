@@ -55,7 +55,7 @@ from grpclib.protocol import Stream as ProtocolStream
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.events import Event, RequestReceived, StreamReset
 from h2.exceptions import StreamClosedError
-from h2.settings import SettingCodes
+from h2.settings import ChangedSetting, SettingCodes, Settings
 from h2.stream import H2Stream, StreamInputs, StreamState
 
 from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
@@ -177,20 +177,64 @@ def keep_encoder_table_empty(h2_connection: H2Connection) -> None:
 # -- lighter containers (rpc.lean) ---------------------------------------------------------------
 
 
-def lighten_settings(h2_connection: H2Connection) -> None:
-    """Hold each setting of both peers in a `SmallDeque` instead of h2's deque.
+# Settled values held as shared 1-tuples, one per value, up to this many values
+# (a peer chooses them: past the bound, a connection holds its own tuple).
+_MAX_SHARED_SETTINGS = 1024
+_shared_settings: dict[int | None, tuple[int | None]] = {}
+
+
+def _settled(value: int | None) -> tuple[int | None]:
+    shared = _shared_settings.get(value)
+    if shared is None:
+        shared = (value,)
+        if len(_shared_settings) < _MAX_SHARED_SETTINGS:
+            _shared_settings[value] = shared
+    return shared
+
+
+class LeanSettings(Settings):
+    """h2's `Settings` holding each settled value in a 1-tuple shared by every
+    connection, not in a deque of its own (about 1 KB per connection: a dozen
+    settings of each peer, nearly all at the same few values).
 
     h2 keeps, per setting, the current value followed by the values not yet
-    acknowledged; it appends, reads `[0]` and `len()`, and `popleft`s on an
-    acknowledgement. It makes a new deque for a setting it has not seen,
-    which a peer's SETTINGS frame may name at any time, so this runs again
-    after each of them (`RemoteSettingsChanged`); the values are kept as they are.
+    acknowledged. It reads `[0]` (which a tuple answers), appends a new value
+    (`__setitem__`: the setting gets a `SmallDeque` of its own first), and on
+    an acknowledgement `popleft`s where `len()` is above one, after which the
+    setting is settled again. `lighten_settings` switches a `Settings` to
+    this class.
+    """
+
+    def __setitem__(self, key: SettingCodes | int, value: int) -> None:
+        held: dict[Any, Any] = self._settings
+        values = held.get(key)
+        if values is not None and type(values) is not SmallDeque:
+            held[key] = SmallDeque(values)
+        super().__setitem__(key, value)
+
+    def acknowledge(self) -> dict[SettingCodes | int, ChangedSetting]:
+        changed = super().acknowledge()
+        self.settle()
+        return changed
+
+    def settle(self) -> None:
+        held: dict[Any, Any] = self._settings
+        for code, values in held.items():
+            if len(values) == 1 and type(values) is not tuple:
+                held[code] = _settled(values[0])
+
+
+def lighten_settings(h2_connection: H2Connection) -> None:
+    """Both peers' settings as `LeanSettings`, their settled values shared.
+
+    A peer's SETTINGS frame is applied (and so settled) when it is received;
+    the server's own settle when the peer acknowledges them.
     """
     for settings in (h2_connection.local_settings, h2_connection.remote_settings):
-        held: dict[Any, Any] = settings._settings
-        for code, values in list(held.items()):
-            if type(values) is not SmallDeque:
-                held[code] = SmallDeque(values)
+        light: Any = settings
+        if type(settings) is Settings:
+            light.__class__ = LeanSettings
+        light.settle()
 
 
 def lighten_header_tables(h2_connection: H2Connection) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import grpclib.protocol
 import grpclib.utils
 import h2.connection
+import h2.exceptions
 import h2.stream
 import pytest
 import trio
@@ -111,37 +112,62 @@ def settings_containers(h2_connection: H2Connection) -> list[object]:
     ]
 
 
-def test_h2_settings_acknowledgement_works_on_light_containers() -> None:
+def settled_and_shared(h2_connection: H2Connection) -> bool:
+    """Every setting of both peers settled, in a 1-tuple shared between connections."""
+    return all(
+        type(held) is tuple and held is _grpclib._settled(held[0])
+        for held in settings_containers(h2_connection)
+    )
+
+
+def test_h2_settings_acknowledgement_works_on_lean_settings() -> None:
     server, client = h2_pair()
     assert all(type(held) is collections.deque for held in settings_containers(server))
     _grpclib.lighten_settings(server)
-    assert all(type(held) is SmallDeque for held in settings_containers(server))
+    assert type(server.local_settings) is _grpclib.LeanSettings
+    assert settled_and_shared(server)
+    other, _ = h2_pair()  # another connection holds the very same values
+    _grpclib.lighten_settings(other)
+    code = SettingCodes.INITIAL_WINDOW_SIZE
+    assert other.local_settings._settings[code] is server.local_settings._settings[code]
     default = server.local_settings.initial_window_size
     # Changed twice before the peer acknowledges: each ACK applies one change, in order.
-    server.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 1000})
-    server.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 2000})
+    server.update_settings({code: 1000})
+    server.update_settings({code: 2000})
+    assert kind(server.local_settings._settings[code]) is SmallDeque  # its own now
     assert server.local_settings.initial_window_size == default
+    assert other.local_settings.initial_window_size == default  # untouched
     client.receive_data(server.data_to_send())
     acks = client.data_to_send()
     assert len(acks) == 18  # two empty SETTINGS frames with ACK
     (first,) = server.receive_data(acks[:9])
     assert isinstance(first, SettingsAcknowledged)
-    changed = first.changed_settings[SettingCodes.INITIAL_WINDOW_SIZE]
+    changed = first.changed_settings[code]
     assert (changed.original_value, changed.new_value) == (default, 1000)
     assert server.local_settings.initial_window_size == 1000
     (second,) = server.receive_data(acks[9:])
     assert isinstance(second, SettingsAcknowledged)
     assert server.local_settings.initial_window_size == 2000
-    # A setting the peer names for the first time gets a new deque from h2 ...
+    assert settled_and_shared(server)  # settled again once acknowledged
+    # Settings the peer names, also for the first time, are settled on receipt.
+    others_limit = other.remote_settings.max_header_list_size
     client.update_settings({SettingCodes.MAX_HEADER_LIST_SIZE: 8192, UNKNOWN_SETTING: 1})
     events = server.receive_data(client.data_to_send())
     assert any(isinstance(event, RemoteSettingsChanged) for event in events)
-    assert type(server.remote_settings._settings[UNKNOWN_SETTING]) is collections.deque
-    # ... which the next pass (run after every RemoteSettingsChanged) makes light too.
-    _grpclib.lighten_settings(server)
-    assert all(type(held) is SmallDeque for held in settings_containers(server))
+    assert settled_and_shared(server)
     assert server.remote_settings.max_header_list_size == 8192
     assert server.remote_settings[UNKNOWN_SETTING] == 1
+    assert other.remote_settings.max_header_list_size == others_limit != 8192
+    # h2 still refuses an invalid value, and still reads a setting it never had as missing.
+    with pytest.raises(h2.exceptions.InvalidSettingsValueError):
+        server.local_settings[SettingCodes.ENABLE_PUSH] = 2
+    assert UNKNOWN_SETTING + 1 not in server.remote_settings
+
+
+def test_shared_settings_are_bounded_whatever_values_peers_choose() -> None:
+    for value in range(10_000, 10_000 + 2 * _grpclib._MAX_SHARED_SETTINGS):
+        assert _grpclib._settled(value) == (value,)
+    assert len(_grpclib._shared_settings) <= _grpclib._MAX_SHARED_SETTINGS
 
 
 def test_advertised_stream_limit_survives_the_acknowledgement() -> None:
