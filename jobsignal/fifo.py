@@ -63,6 +63,17 @@ class Fifo(Generic[T]):
     def append(self, item: T) -> None:
         self._items.append(item)
 
+    def extend(self, items: Iterable[T]) -> None:
+        self._items.extend(items)
+
+    def appendleft(self, item: T) -> None:
+        """Put `item` back at the front (into the gap a `popleft` left, if any)."""
+        if self._head:
+            self._head -= 1
+            self._items[self._head] = item
+        else:
+            self._items.insert(0, item)
+
     def popleft(self) -> T:
         items, head = self._items, self._head
         if head >= len(items):

@@ -40,6 +40,7 @@ of a delivery after the system call (docs/architecture.md section 6).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 from collections.abc import Callable, Sequence
@@ -283,6 +284,19 @@ def lighten_connection(connection: Connection) -> None:
     with light waiter lists."""
     _lighten_event(connection.write_ready)
     _lighten_event(connection.stream_close_waiter)
+
+
+def lighten_transport(transport: asyncio.BaseTransport) -> None:
+    """The socket transport's write buffer as a `Fifo`, where it is a deque (3.12
+    and later; 3.11's is a bytearray; a TLS transport's is left as it is).
+
+    asyncio appends and extends it, `popleft`s what `sendmsg` took and
+    `appendleft`s the rest of a partly sent chunk, iterates it (`islice`, and
+    for its size), tests it and clears it.
+    """
+    light: Any = transport
+    if type(getattr(light, "_buffer", None)) is collections.deque:
+        light._buffer = Fifo(light._buffer)
 
 
 def lighten_stream(stream: ProtocolStream) -> None:

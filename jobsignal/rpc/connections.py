@@ -188,6 +188,7 @@ class ObservedH2Protocol(H2Protocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         _grpclib.lighten_connection(self.connection)
+        _grpclib.lighten_transport(transport)
         _grpclib.lighten_dispatch_tables(_grpclib.h2_connection_of(self), self.processor)
         self._transport = transport
         self._table.opened(self)

@@ -75,6 +75,8 @@ def replay(steps: list[tuple[Any, ...]], light: Any) -> Iterator[tuple[Any, Any]
     operations(
         st.tuples(st.just("append"), st.integers(0, 5)),
         st.tuples(st.just("popleft")),
+        st.tuples(st.just("appendleft"), st.integers(0, 5)),
+        st.tuples(st.just("extend"), st.lists(st.integers(0, 5), max_size=3)),
         st.tuples(st.just("remove"), st.integers(0, 5)),
         st.tuples(st.just("__getitem__"), st.integers(-4, 4)),
         st.tuples(st.just("__setitem__"), st.integers(-4, 4), st.just(9)),
