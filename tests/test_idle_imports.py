@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from tests.support.cluster import write_kubeconfig
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SERVE_AND_REPORT = """
@@ -58,3 +62,34 @@ def test_a_serving_server_loads_neither_protobuf_nor_yaml() -> None:
     assert report["health"] == ["SERVING", "SERVING"]
     assert report["jobs"] >= 0  # the snapshot arrived (the demo may hold no job yet)
     assert report["loaded"] == []
+
+
+LOAD_AND_REPORT = """
+import json, sys
+from pathlib import Path
+from jobsignal.kube.credentials import load_kubeconfig
+
+connection = load_kubeconfig(Path(sys.argv[1]))
+print(json.dumps({"server": connection.base_url, "yaml": "yaml" in sys.modules}))
+"""
+
+
+def test_a_json_kubeconfig_is_read_without_pyyaml(tmp_path: Path) -> None:
+    """kubectl reads a JSON kubeconfig too (JSON is YAML); it needs no PyYAML (0.8 MB)."""
+    yaml_file = write_kubeconfig(tmp_path / "config.yaml", "http://127.0.0.1:6443")
+    json_file = tmp_path / "config.json"
+    json_file.write_text(json.dumps(yaml.safe_load(yaml_file.read_text()), indent=2))
+    reports = {}
+    for name, path in (("yaml", yaml_file), ("json", json_file)):
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD_AND_REPORT, str(path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        reports[name] = json.loads(done.stdout)
+    assert reports["yaml"] == {"server": "http://127.0.0.1:6443", "yaml": True}
+    assert reports["json"] == {"server": "http://127.0.0.1:6443", "yaml": False}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import os
 import socket
 import ssl
@@ -323,15 +324,25 @@ def _home_kubeconfig(environ: Mapping[str, str]) -> Path | None:
     return Path(home) / ".kube" / "config"
 
 
-def _parse_file(path: Path) -> _Config:
+_NOT_JSON = object()
+
+
+def _as_json(text: str) -> Any:
+    """The document, when the kubeconfig is JSON (kubectl reads those too, and JSON
+    is YAML): no PyYAML to import (0.8 MB). `_NOT_JSON` otherwise."""
+    if not text.lstrip().startswith("{"):
+        return _NOT_JSON
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KubeConfigError(f"cannot read kubeconfig {path}: {_os_reason(exc)}") from None
-    import yaml  # only for a kubeconfig: an in-cluster server never loads PyYAML
+        return json.loads(text)
+    except ValueError:  # a YAML flow mapping, or broken: PyYAML decides
+        return _NOT_JSON
+
+
+def _as_yaml(path: Path, text: str) -> Any:
+    import yaml  # not for a JSON kubeconfig, and an in-cluster server never loads PyYAML
 
     try:
-        doc = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         # Only the position and the generic problem: PyYAML's full message
         # quotes the offending line, which may be a token.
@@ -339,6 +350,16 @@ def _parse_file(path: Path) -> _Config:
         problem = getattr(exc, "problem", None) or "invalid YAML"
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise KubeConfigError(f"kubeconfig {path} is not valid YAML{at}: {problem}") from None
+
+
+def _parse_file(path: Path) -> _Config:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KubeConfigError(f"cannot read kubeconfig {path}: {_os_reason(exc)}") from None
+    doc = _as_json(text)
+    if doc is _NOT_JSON:
+        doc = _as_yaml(path, text)
     if doc is None:
         doc = {}  # an empty file is an empty config, as for kubectl
     if not isinstance(doc, dict):
