@@ -150,7 +150,7 @@ def _record_delivery(
         stats.delivery_latency.observe(now - seen_at)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StreamRequest:
     """Who subscribes, to what, and through which connection and writer."""
 
@@ -161,6 +161,21 @@ class StreamRequest:
     send: Send
     # None: every message waits for the session's task (tests, benchmarks).
     send_now: SendNow | None = None
+
+
+class _IdleEntry:
+    """A session's place in the heap of idle deadlines; `session` is None once
+    the session has ended (the entry waits for its deadline, or a compaction)."""
+
+    __slots__ = ("at", "order", "session")
+
+    def __init__(self, at: float, order: int, session: Session) -> None:
+        self.at = at
+        self.order = order
+        self.session: Session | None = session
+
+    def __lt__(self, other: _IdleEntry) -> bool:
+        return (self.at, self.order) < (other.at, other.order)
 
 
 class Sessions:
@@ -174,8 +189,7 @@ class Sessions:
         self.broadcaster = broadcaster
         self.settings = settings
         self._nursery: trio.Nursery | None = None
-        # [deadline, order, session]: the session is None once it has ended.
-        self._deadlines: list[list[object]] = []
+        self._deadlines: list[_IdleEntry] = []  # a heap
         self._order = itertools.count()
         self._live: set[Session] = set()
         self._wake_timer: trio.CancelScope | None = None
@@ -249,15 +263,15 @@ class Sessions:
         self._live.discard(session)
         entry = session.deadline_entry
         if entry is not None:
-            entry[2] = None
+            entry.session = None
             session.deadline_entry = None
         # Ended sessions' entries wait for their deadline; bound how many there are.
         if len(self._deadlines) > 2 * len(self._live) + 64:
-            self._deadlines = [entry for entry in self._deadlines if entry[2] is not None]
+            self._deadlines = [entry for entry in self._deadlines if entry.session is not None]
             heapq.heapify(self._deadlines)
 
     def _watch(self, session: Session) -> None:
-        entry: list[object] = [session.idle.deadline, next(self._order), session]
+        entry = _IdleEntry(session.idle.deadline, next(self._order), session)
         session.deadline_entry = entry
         heapq.heappush(self._deadlines, entry)
         timer = self._wake_timer
@@ -267,17 +281,15 @@ class Sessions:
     async def _watch_deadlines(self) -> None:
         deadlines = self._deadlines
         while True:
-            first = deadlines[0][0] if deadlines else math.inf
-            assert isinstance(first, float)
+            first = deadlines[0].at if deadlines else math.inf
             with trio.CancelScope(deadline=first) as self._wake_timer:
                 await trio.sleep_forever()
             self._wake_timer = None
             now = trio.current_time()
             deadlines = self._deadlines  # `_forget` may have rebuilt it
-            while deadlines and deadlines[0][0] <= now:  # type: ignore[operator]
-                entry = heapq.heappop(deadlines)
-                session = entry[2]
-                if not isinstance(session, Session):
+            while deadlines and deadlines[0].at <= now:
+                session = heapq.heappop(deadlines).session
+                if session is None:
                     continue  # ended before its deadline
                 session.deadline_entry = None
                 if session.idle.expired():
@@ -311,7 +323,7 @@ class Session:
         self._done = done
         self._running = False
         self.finished = False
-        self.deadline_entry: list[object] | None = None
+        self.deadline_entry: _IdleEntry | None = None
         settings = sessions.settings
         self.subscriber = sessions.broadcaster.subscribe(
             request.kind,
@@ -392,8 +404,7 @@ class Session:
                         stats.batches_written_waiting += 1
                     _record_delivery(stats, self.idle, len(frames), seen)
             subscriber.attach(None)
-        except Exception as error:
-            subscriber.end(EndReason.SHUTDOWN)  # freed now; the handler answers INTERNAL
+        except Exception as error:  # freed now; the handler answers INTERNAL and logs it
             self.finish(error)
             return
         finally:
