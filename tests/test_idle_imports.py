@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -48,9 +49,10 @@ trio.run(main)
 """
 
 
-def test_a_serving_server_loads_neither_protobuf_nor_yaml() -> None:
+def report_of(script: str, *args: str) -> dict[str, Any]:
+    """What `script` prints last, as JSON, run in a fresh interpreter."""
     done = subprocess.run(
-        [sys.executable, "-c", SERVE_AND_REPORT],
+        [sys.executable, "-c", script, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -58,7 +60,12 @@ def test_a_serving_server_loads_neither_protobuf_nor_yaml() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+def test_a_serving_server_loads_neither_protobuf_nor_yaml() -> None:
+    report = report_of(SERVE_AND_REPORT)
     assert report["health"] == ["SERVING", "SERVING"]
     assert report["jobs"] >= 0  # the snapshot arrived (the demo may hold no job yet)
     assert report["loaded"] == []
@@ -79,17 +86,9 @@ def test_a_json_kubeconfig_is_read_without_pyyaml(tmp_path: Path) -> None:
     yaml_file = write_kubeconfig(tmp_path / "config.yaml", "http://127.0.0.1:6443")
     json_file = tmp_path / "config.json"
     json_file.write_text(json.dumps(yaml.safe_load(yaml_file.read_text()), indent=2))
-    reports = {}
-    for name, path in (("yaml", yaml_file), ("json", json_file)):
-        done = subprocess.run(
-            [sys.executable, "-c", LOAD_AND_REPORT, str(path)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-        reports[name] = json.loads(done.stdout)
+    reports = {
+        name: report_of(LOAD_AND_REPORT, str(path))
+        for name, path in (("yaml", yaml_file), ("json", json_file))
+    }
     assert reports["yaml"] == {"server": "http://127.0.0.1:6443", "yaml": True}
     assert reports["json"] == {"server": "http://127.0.0.1:6443", "yaml": False}

@@ -99,6 +99,12 @@ def opened(sessions: Sessions, client: Client) -> Session:
     return session
 
 
+def assert_ended(sessions: Sessions, client: Client, reason: EndReason) -> None:
+    (end,) = client.outcomes
+    assert isinstance(end, StreamEnd) and end.reason is reason
+    assert_released(sessions, client)
+
+
 def assert_released(sessions: Sessions, client: Client) -> None:
     assert not sessions.broadcaster.subscribers
     assert sessions.registry.active_subscriptions() == 0
@@ -218,9 +224,7 @@ async def test_a_session_ends_while_its_task_waits_to_write(
         session.client_gone()  # cancels the waiting write
         await trio.testing.wait_all_tasks_blocked()
         assert client.sent == []
-        end = client.outcomes[0]
-        assert isinstance(end, StreamEnd) and end.reason is EndReason.CLIENT_GONE
-        assert_released(sessions, client)
+        assert_ended(sessions, client, EndReason.CLIENT_GONE)
 
 
 async def test_an_error_in_one_session_ends_that_session_only(
@@ -254,9 +258,7 @@ async def test_sessions_still_open_when_the_server_stops_end_as_shutdown(
         sessions.broadcaster.publish([make_job(1)])  # `waiting`'s task waits to write
         await trio.testing.wait_all_tasks_blocked()
     for each in (client, waiting):
-        end = each.outcomes[0]
-        assert isinstance(end, StreamEnd) and end.reason is EndReason.SHUTDOWN
-        assert_released(sessions, each)
+        assert_ended(sessions, each, EndReason.SHUTDOWN)
 
 
 async def test_idle_deadlines_of_many_sessions_each_come_on_time(
