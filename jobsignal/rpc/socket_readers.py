@@ -2,7 +2,7 @@
 
 trio-asyncio serves asyncio's `add_reader` with a trio task per file
 descriptor: the task, its coroutine, a cancel scope in the handle and the
-descriptor's registration in trio's epoll, about 3 KB per connection that
+descriptor's registration in trio's epoll, about 2.5 KB per connection that
 stay allocated while the connection is idle, which is most of its life.
 `SharedReaders` keeps an epoll set of its own instead. trio waits on that one
 descriptor; when it is readable, the task runs the read callback of every
