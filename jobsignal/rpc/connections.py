@@ -306,8 +306,7 @@ class ObservedH2Protocol(H2Protocol):
         window_may_have_opened = False
         for event in events:
             if isinstance(event, RemoteSettingsChanged):
-                # h2 made a deque for each setting the peer named for the first time.
-                _grpclib.lighten_settings(_grpclib.h2_connection_of(self))
+                # (Its settings are settled, and shared, on receipt: LeanSettings.)
                 _grpclib.keep_encoder_table_empty(_grpclib.h2_connection_of(self))
                 if self._handshake_timer is not None:
                     self._handshake_timer.cancel()

@@ -186,7 +186,7 @@ async def test_a_live_connections_containers_are_the_light_ones(
         stream = GrpcioStream(client.subscribe(ROLE, client_id, timeout=60)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1, what="the subscriber")
         (protocol,) = server.connections.protocols()
-        # grpcio's SETTINGS named settings h2 had not seen: re-lightened after them.
+        # grpcio's SETTINGS named settings h2 had not seen: settled and shared on receipt.
         found = containers_of(protocol)
         assert len(found) > 20
         light = (SmallDeque, Fifo, NewestFirst, MethodTable, tuple)  # tuple: a settled setting
