@@ -88,7 +88,7 @@ class StreamEnd:
         return self.reason is EndReason.IDLE
 
 
-def end_for(reason: EndReason, settings: SessionSettings, pending: int = 0) -> StreamEnd:
+def end_for(reason: EndReason, settings: SessionSettings) -> StreamEnd:
     if reason is EndReason.IDLE:
         seconds = f"{settings.idle_timeout:g}"
         return StreamEnd(
@@ -118,8 +118,8 @@ def end_for(reason: EndReason, settings: SessionSettings, pending: int = 0) -> S
 class IdleDeadline:
     """The idle rule's clock for one stream: `touch()` records activity (it only
     stores the time: moving a trio deadline on every message, tens of thousands
-    a second, costs a heap push each), `expired()` says whether the timeout has
-    passed since the last activity."""
+    a second, costs a heap push each), `deadline` is when the stream is idle
+    unless there is activity before."""
 
     __slots__ = ("last", "timeout")
 
@@ -133,9 +133,6 @@ class IdleDeadline:
     @property
     def deadline(self) -> float:
         return self.last + self.timeout
-
-    def expired(self) -> bool:
-        return trio.current_time() >= self.deadline
 
 
 def _record_delivery(
@@ -292,7 +289,7 @@ class Sessions:
                 if session is None:
                     continue  # ended before its deadline
                 session.deadline_entry = None
-                if session.idle.expired():
+                if session.idle.deadline <= now:
                     session.subscriber.end(EndReason.IDLE)  # its task cleans up
                 else:
                     self._watch(session)  # activity since: from the last one
