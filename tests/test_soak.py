@@ -230,6 +230,7 @@ from jobsignal.sim.emulator import (  # noqa: E402
 from jobsignal.store.model import JobSummary  # noqa: E402
 from tests.support.cluster import TOKEN, cluster_states, write_kubeconfig  # noqa: E402
 from tests.support.grpcio import GrpcioStubs, cli_env, expected_signal  # noqa: E402
+from tests.support.tasks import count_tasks  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
 
 # Keepalive clients ping every second: they survive stalls of up to 3 s on a loaded machine.
@@ -494,17 +495,6 @@ class Clients:
 
 
 # -- server-side bookkeeping -----------------------------------------------------------------
-
-
-def count_tasks() -> int:
-    def walk(task: trio.lowlevel.Task) -> int:
-        return 1 + sum(
-            walk(child) for nursery in task.child_nurseries for child in nursery.child_tasks
-        )
-
-    root = trio.lowlevel.current_root_task()
-    assert root is not None
-    return walk(root)
 
 
 def open_fds() -> int:

@@ -22,6 +22,7 @@ from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
 from jobsignal.rpc.session import Session, Sessions, SessionSettings, StreamEnd, StreamRequest
 from tests.support.factories import make_job
+from tests.support.tasks import count_tasks
 
 ROLE = "CCAgent"
 
@@ -80,17 +81,6 @@ async def running_sessions(
         sessions = Sessions(registry(), Broadcaster(), settings or SessionSettings())
         yield await nursery.start(sessions.run)
         nursery.cancel_scope.cancel()
-
-
-def count_tasks() -> int:
-    root = trio.lowlevel.current_root_task()
-    assert root is not None
-    pending, seen = [root], 0
-    while pending:
-        task = pending.pop()
-        seen += 1
-        pending.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
-    return seen
 
 
 def opened(sessions: Sessions, client: Client) -> Session:

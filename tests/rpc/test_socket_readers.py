@@ -18,6 +18,8 @@ import trio
 import trio_asyncio
 
 from jobsignal.rpc.socket_readers import SharedReaders
+from tests.support.tasks import count_tasks
+from tests.support.waiting import wait_until
 
 
 @asynccontextmanager
@@ -43,13 +45,6 @@ def socket_pairs(count: int) -> Iterator[list[tuple[socket.socket, socket.socket
             theirs.close()
 
 
-async def until(condition: Any) -> None:
-    # Each round of the readers' task ends by letting the asyncio loop run.
-    with trio.fail_after(10):
-        while not condition():
-            await trio.lowlevel.checkpoint()
-
-
 async def test_a_callback_runs_when_its_socket_has_bytes() -> None:
     async with shared_loop() as (loop, readers):
         with socket_pairs(2) as pairs:
@@ -62,9 +57,9 @@ async def test_a_callback_runs_when_its_socket_has_bytes() -> None:
                 loop.add_reader(ours, reader, index, ours)
             assert len(readers) == 2
             pairs[1][1].send(b"second")
-            await until(lambda: received[1] == b"second")
+            await wait_until(lambda: received[1] == b"second")
             pairs[0][1].send(b"first")
-            await until(lambda: received[0] == b"first")
+            await wait_until(lambda: received[0] == b"first")
             assert received == {0: b"first", 1: b"second"}
 
 
@@ -83,12 +78,12 @@ async def test_a_socket_that_stays_readable_does_not_starve_the_others() -> None
             loop.add_reader(noisy, never_reads)
             loop.add_reader(quiet, reads)
             noisy_peer.send(b"x")
-            await until(lambda: calls["noisy"] >= 5)
+            await wait_until(lambda: calls["noisy"] >= 5)
             quiet_peer.send(b"y")
-            await until(lambda: calls["quiet"] == 1)
+            await wait_until(lambda: calls["quiet"] == 1)
             # One call per round each: the noisy one ran only a few rounds more.
             before = calls["noisy"]
-            await until(lambda: calls["noisy"] >= before + 3)
+            await wait_until(lambda: calls["noisy"] >= before + 3)
             assert calls["quiet"] == 1
 
 
@@ -115,11 +110,11 @@ async def test_removed_and_replaced_readers_are_not_called_again() -> None:
             theirs.send(b"x")
             probe_peer.send(b"x")
             # Both were readable in the round that saw the probe.
-            await until(lambda: calls == ["probe"])
+            await wait_until(lambda: calls == ["probe"])
             loop.add_reader(ours, first)
             loop.add_reader(ours, second)  # replaces `first`
             assert len(readers) == 2
-            await until(lambda: calls == ["probe", "second"])
+            await wait_until(lambda: calls == ["probe", "second"])
             assert loop.remove_reader(ours) is True
             assert loop.remove_reader(ours) is False
 
@@ -138,9 +133,9 @@ async def test_a_failing_callback_is_reported_and_the_others_go_on() -> None:
             loop.add_reader(bad, fails)
             loop.add_reader(good, lambda: got.append(good.recv(100)))
             bad_peer.send(b"x")
-            await until(lambda: reported)
+            await wait_until(lambda: bool(reported))
             good_peer.send(b"fine")
-            await until(lambda: got == [b"fine"])
+            await wait_until(lambda: got == [b"fine"])
             assert isinstance(reported[0]["exception"], ValueError)
 
 
@@ -201,19 +196,7 @@ async def test_asyncio_connections_need_no_trio_task_each() -> None:
             await server.wait_closed()
 
         await trio_asyncio.aio_as_trio(close)()
-        await until(lambda: len(readers) == 0)
-
-
-def count_tasks() -> int:
-    root = trio.lowlevel.current_root_task()
-    assert root is not None
-    pending = [root]
-    seen = 0
-    while pending:
-        task = pending.pop()
-        seen += 1
-        pending.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
-    return seen
+        await wait_until(lambda: len(readers) == 0)
 
 
 async def test_readers_go_back_to_trio_asyncio_when_the_task_ends_first() -> None:
@@ -232,7 +215,7 @@ async def test_readers_go_back_to_trio_asyncio_when_the_task_ends_first() -> Non
             theirs.send(b"still read")
             loop.add_reader(later, lambda: got.append(later.recv(100)))  # after the end
             later_peer.send(b"added later")
-            await until(lambda: len(got) == 2)
+            await wait_until(lambda: len(got) == 2)
             assert sorted(got) == [b"added later", b"still read"]
             loop.remove_reader(ours)
             loop.remove_reader(later)
