@@ -334,7 +334,7 @@ def _as_json(text: str) -> Any:
         return _NOT_JSON
     try:
         return json.loads(text)
-    except ValueError:  # a YAML flow mapping, or broken: PyYAML decides
+    except (ValueError, RecursionError):  # a YAML flow mapping, or broken: PyYAML decides
         return _NOT_JSON
 
 
@@ -350,6 +350,8 @@ def _as_yaml(path: Path, text: str) -> Any:
         problem = getattr(exc, "problem", None) or "invalid YAML"
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise KubeConfigError(f"kubeconfig {path} is not valid YAML{at}: {problem}") from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise KubeConfigError(f"kubeconfig {path} is nested too deeply") from None
 
 
 def _parse_file(path: Path) -> _Config:

@@ -447,6 +447,23 @@ BROKEN: list[tuple[str, BrokenCase, str]] = [
         "mapping values are not allowed here",
     ),
     ("not-mapping", _raw("- a\n- b\n"), "kubeconfig {dir}/config is not a YAML mapping"),
+    # JSON is YAML too (read without PyYAML): the same checks, the same messages.
+    ("json-not-mapping", _raw('["a", "b"]'), "kubeconfig {dir}/config is not a YAML mapping"),
+    (
+        "json-clusters-not-list",
+        _raw('{"clusters": {}}'),
+        "kubeconfig {dir}/config: clusters is not a list",
+    ),
+    (
+        "json-nested-too-deeply",
+        _raw('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        "kubeconfig {dir}/config is nested too deeply",
+    ),
+    (
+        "yaml-nested-too-deeply",
+        _raw("a: " + "[" * 100_000 + "]" * 100_000 + "\n"),
+        "kubeconfig {dir}/config is nested too deeply",
+    ),
     (
         "clusters-not-list",
         _raw("clusters: {}\n"),
