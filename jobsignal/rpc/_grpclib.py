@@ -54,7 +54,14 @@ from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.protocol import Stream as ProtocolStream
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
-from h2.events import Event, RequestReceived, StreamReset
+from h2.events import (
+    Event,
+    PingAckReceived,
+    PingReceived,
+    RequestReceived,
+    StreamReset,
+    WindowUpdated,
+)
 from h2.exceptions import StreamClosedError
 from h2.settings import ChangedSetting, SettingCodes, Settings
 from h2.stream import H2Stream, StreamInputs, StreamState
@@ -437,6 +444,89 @@ def _send_data_frame(
     header = size.to_bytes(3, "big") + b"\x00\x00" + h2_stream.stream_id.to_bytes(4, "big")
     h2_connection._data_to_send += header
     h2_connection._data_to_send += data
+
+
+# -- the frames a gRPC client sends after each message ---------------------------------------
+
+# A grpc-go client answers each message it receives with a connection
+# WINDOW_UPDATE and a PING for its bandwidth estimate (BDP), and the server owes
+# a PING ACK: about three times the work of the delivery itself through h2's
+# general path (a hyperframe frame object each, its repr for a trace log that
+# is off, the state machine, the ACK built and serialized as a frame object).
+_PING = 0x6
+_WINDOW_UPDATE = 0x8
+_ACK = 0x1
+_LARGEST_WINDOW = 2**31 - 1
+_CONNECTION_CONTROL = {_PING: 8, _WINDOW_UPDATE: 4}  # frame type: its only valid length
+_PING_ACK_HEADER = b"\x00\x00\x08\x06\x01\x00\x00\x00\x00"
+# The connection state in which receiving PING and WINDOW_UPDATE leaves h2's
+# connection state machine as it is (checked against the installed h2 by
+# tests/rpc/test_grpclib_adapter.py).
+RECEIVING_CONNECTION_STATE = ConnectionState.SERVER_OPEN
+
+
+def receive_connection_control(h2_connection: H2Connection, chunk: bytes) -> list[Event] | None:
+    """h2's `receive_data(chunk)` for a chunk of whole, valid PING and connection
+    WINDOW_UPDATE frames and nothing else, without hyperframe: the same events, the
+    PING ACKs in h2's output buffer and the connection's send window grown, as h2
+    does. None, with nothing changed, for any other chunk (a frame of another type
+    or stream, one split across reads, a window that would overflow, a connection
+    not open, input h2 still buffers): the caller then hands it to h2.
+    `tests/rpc/test_grpclib_adapter.py` checks events, bytes and windows against
+    h2 for random chunks."""
+    if h2_connection.state_machine.state is not RECEIVING_CONNECTION_STATE:
+        return None
+    if not _frame_buffer_empty(h2_connection.incoming_buffer):
+        return None
+    # Check every frame first, so that a chunk h2 must see changes nothing here.
+    end = len(chunk)
+    position = 0
+    window = h2_connection.outbound_flow_control_window
+    while position < end:
+        if end - position < 9:
+            return None
+        frame_type = chunk[position + 3]
+        length = _CONNECTION_CONTROL.get(frame_type)
+        if length is None or int.from_bytes(chunk[position : position + 3], "big") != length:
+            return None
+        if chunk[position + 5 : position + 9] != b"\x00\x00\x00\x00":  # stream 0
+            return None
+        body = position + 9
+        if end - body < length:
+            return None
+        if frame_type == _WINDOW_UPDATE:
+            increment = int.from_bytes(chunk[body : body + 4], "big")
+            if not 1 <= increment <= _LARGEST_WINDOW - window:  # (h2 raises; let it)
+                return None
+            window += increment
+        position = body + length
+    events: list[Event] = []
+    position = 0
+    while position < end:
+        body = position + 9
+        if chunk[position + 3] == _PING:
+            opaque = chunk[body : body + 8]
+            if chunk[position + 4] & _ACK:
+                events.append(PingAckReceived(ping_data=opaque))
+            else:
+                events.append(PingReceived(ping_data=opaque))
+                h2_connection._data_to_send += _PING_ACK_HEADER + opaque
+            position = body + 8
+        else:
+            increment = int.from_bytes(chunk[body : body + 4], "big")
+            h2_connection.outbound_flow_control_window += increment
+            events.append(WindowUpdated(stream_id=0, delta=increment))
+            position = body + 4
+    return events
+
+
+def _frame_buffer_empty(buffer: Any) -> bool:
+    """Whether h2's frame buffer holds nothing: the preface read, no partial frame,
+    no header block waiting for its CONTINUATION (False where it cannot tell)."""
+    buffered = getattr(buffer, "_data", getattr(buffer, "data", None))
+    if buffered is None or getattr(buffer, "_preamble_len", None) != 0:
+        return False
+    return not buffered and not getattr(buffer, "_headers_buffer", True)
 
 
 def alone_on_connection(stream: ServerStream) -> bool:

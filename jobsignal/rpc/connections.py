@@ -189,7 +189,8 @@ class ObservedH2Protocol(H2Protocol):
         super().connection_made(transport)
         _grpclib.lighten_connection(self.connection)
         _grpclib.lighten_transport(transport)
-        _grpclib.lighten_dispatch_tables(_grpclib.h2_connection_of(self), self.processor)
+        self._h2 = _grpclib.h2_connection_of(self)
+        _grpclib.lighten_dispatch_tables(self._h2, self.processor)
         self._transport = transport
         self._table.opened(self)
         if self._table.closing:
@@ -205,12 +206,11 @@ class ObservedH2Protocol(H2Protocol):
         self._handshake_timer = loop.call_later(
             self._limits.handshake_timeout, self._handshake_expired
         )
-        h2_connection = _grpclib.h2_connection_of(self)
         advertised = self._table.limits.max_streams_per_connection
-        _grpclib.advertise_stream_limit(h2_connection, advertised, hard_stream_limit(advertised))
-        _grpclib.lighten_settings(h2_connection)
-        _grpclib.lighten_header_tables(h2_connection)
-        _grpclib.keep_encoder_table_empty(h2_connection)
+        _grpclib.advertise_stream_limit(self._h2, advertised, hard_stream_limit(advertised))
+        _grpclib.lighten_settings(self._h2)
+        _grpclib.lighten_header_tables(self._h2)
+        _grpclib.keep_encoder_table_empty(self._h2)
         activity, budget = self.activity, self.budget
 
         def frames_sent() -> None:
@@ -219,7 +219,7 @@ class ObservedH2Protocol(H2Protocol):
             activity.note_sent()
             budget.frames_sent()
 
-        _grpclib.on_frames_sent(h2_connection, frames_sent)
+        _grpclib.on_frames_sent(self._h2, frames_sent)
         self.connection.flush()
         self._refusal = self._table.counter.refusal(self.ip)
         if self._refusal is not None:
@@ -288,6 +288,12 @@ class ObservedH2Protocol(H2Protocol):
         if broken is not None:
             self._enhance_your_calm(broken)
             return
+        # Most input of a live connection is the PING and WINDOW_UPDATE a client
+        # answers each message with: handled without h2's general path.
+        events = _grpclib.receive_connection_control(self._h2, chunk)
+        if events is not None:
+            self._handle_events(events)
+            return
         try:
             events = self.connection.feed(chunk)
         except ProtocolError as error:
@@ -303,11 +309,14 @@ class ObservedH2Protocol(H2Protocol):
             self.processor.close(reason=f"protocol error: {error}")
             return
         self.connection.flush()
+        self._handle_events(events)
+
+    def _handle_events(self, events: list[Event]) -> None:
         window_may_have_opened = False
         for event in events:
             if isinstance(event, RemoteSettingsChanged):
                 # (Its settings are settled, and shared, on receipt: LeanSettings.)
-                _grpclib.keep_encoder_table_empty(_grpclib.h2_connection_of(self))
+                _grpclib.keep_encoder_table_empty(self._h2)
                 if self._handshake_timer is not None:
                     self._handshake_timer.cancel()
                     self._handshake_timer = None
@@ -363,9 +372,7 @@ class ObservedH2Protocol(H2Protocol):
             # (clients retry a refused stream transparently).
             self._table.streams_refused += 1
             with contextlib.suppress(StreamClosedError):  # the peer reset it already
-                _grpclib.h2_connection_of(self).reset_stream(
-                    event.stream_id, ErrorCodes.REFUSED_STREAM
-                )
+                self._h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
             return
         names = {n.decode() if isinstance(n, bytes) else n for n, _ in event.headers or []}
         if ":path" not in names:
@@ -389,7 +396,7 @@ class ObservedH2Protocol(H2Protocol):
     def _send_status(
         self, stream_id: int, http_status: str, grpc_status: int, message: str
     ) -> None:
-        _grpclib.h2_connection_of(self).send_headers(
+        self._h2.send_headers(
             stream_id,
             [
                 (":status", http_status),
@@ -447,7 +454,7 @@ class ObservedH2Protocol(H2Protocol):
         """Send GOAWAY and close the transport (after buffered data is written)."""
         if self.connection.is_closing():
             return
-        _grpclib.h2_connection_of(self).close_connection(error_code=code, additional_data=debug)
+        self._h2.close_connection(error_code=code, additional_data=debug)
         self.connection.flush()
         self.processor.close(reason=f"GOAWAY {code.name} {debug.decode()}")
 

@@ -109,28 +109,33 @@ class ConnectionBudget:
         self.control.give(CREDIT_PER_FRAME_SENT * count)
 
     def charge_input(self, data: bytes, now: float) -> str | None:
-        """Account for the frames that start in `data`; the rule broken, or None."""
-        view = memoryview(data)
-        position = min(self._preface_left, len(view))
+        """Account for the frames that start in `data`; the rule broken, or None.
+        The whole input is scanned even after a rule is broken, so that the next
+        read starts in step."""
+        end = len(data)
+        position = min(self._preface_left, end)
         self._preface_left -= position
         broken: str | None = None
-        while position < len(view):
-            if self._payload_left:
-                skipped = min(self._payload_left, len(view) - position)
-                self._payload_left -= skipped
-                position += skipped
-                continue
+        if self._payload_left:  # the rest of a frame that began in an earlier read
+            skipped = min(self._payload_left, end - position)
+            self._payload_left -= skipped
+            position += skipped
+        if self._header:  # a frame header split across reads
             wanted = FRAME_HEADER_SIZE - len(self._header)
-            self._header += view[position : position + wanted]
-            position += min(wanted, len(view) - position)
+            self._header += data[position : position + wanted]
             if len(self._header) < FRAME_HEADER_SIZE:
-                break
-            length = int.from_bytes(self._header[:3], "big")
-            frame_type = self._header[3]
+                return None
+            position += wanted + int.from_bytes(self._header[:3], "big")
+            broken = self._charge_frame(self._header[3], now)
             self._header.clear()
-            self._payload_left = length
-            # The whole input is still scanned, so that the next read starts in step.
-            broken = broken or self._charge_frame(frame_type, now)
+        # Whole headers, read in place: the usual case, every frame in this read.
+        while position + FRAME_HEADER_SIZE <= end:
+            broken = broken or self._charge_frame(data[position + 3], now)
+            position += FRAME_HEADER_SIZE + int.from_bytes(data[position : position + 3], "big")
+        if position > end:
+            self._payload_left = position - end
+        else:
+            self._header += data[position:]
         return broken
 
     def _charge_frame(self, frame_type: int, now: float) -> str | None:

@@ -14,6 +14,7 @@ import grpclib.utils
 import h2.connection
 import h2.exceptions
 import h2.stream
+import hyperframe.frame
 import pytest
 import trio
 import trio_asyncio
@@ -22,15 +23,19 @@ from h2.config import H2Configuration
 from h2.connection import ConnectionInputs, H2Connection
 from h2.events import (
     DataReceived,
+    PingAckReceived,
     PingReceived,
     RemoteSettingsChanged,
     RequestReceived,
     ResponseReceived,
     SettingsAcknowledged,
+    WindowUpdated,
 )
 from h2.events import Event as H2Event
 from h2.settings import SettingCodes
 from h2.stream import StreamInputs
+from hypothesis import given
+from hypothesis import strategies as st
 
 import jobsignal  # noqa: F401  (importing jobsignal installs the adapter)
 from jobsignal.rpc import _grpclib
@@ -577,6 +582,120 @@ def test_send_now_builds_no_hyperframe_frame(monkeypatch: pytest.MonkeyPatch) ->
     assert _grpclib.send_now(server_stream_on(server, 1), many) == 40_000
     with pytest.raises(AssertionError, match="DataFrame"):  # the patch is in force
         server.send_data(1, b"m")
+
+
+def test_the_state_where_connection_control_skips_h2s_machine_is_a_self_loop() -> None:
+    """`receive_connection_control` works only in this state, where h2's machine
+    neither acts nor moves on PING and WINDOW_UPDATE: an h2 that does fails here."""
+    state = _grpclib.RECEIVING_CONNECTION_STATE
+    transitions = h2.connection.H2ConnectionStateMachine._transitions
+    for received in (ConnectionInputs.RECV_PING, ConnectionInputs.RECV_WINDOW_UPDATE):
+        assert transitions[(state, received)] == (None, state)
+
+
+def frame_bytes(frame_type: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    header = len(payload).to_bytes(3, "big") + bytes([frame_type, flags])
+    return header + stream_id.to_bytes(4, "big") + payload
+
+
+# What a client may send between two requests: the connection-level PING and
+# WINDOW_UPDATE of the fast path, and now and then a frame only h2 may handle.
+FAST_FRAMES = st.one_of(
+    st.builds(
+        lambda ack, other_flags, opaque: frame_bytes(0x6, ack | other_flags, 0, opaque),
+        st.sampled_from([0, 1]),
+        st.sampled_from([0, 0x80]),
+        st.binary(min_size=8, max_size=8),
+    ),
+    st.builds(
+        lambda increment: frame_bytes(0x8, 0, 0, increment.to_bytes(4, "big")),
+        st.integers(1, 70_000),
+    ),
+)
+OTHER_FRAMES = st.one_of(
+    st.builds(  # an increment of 0, or one that overflows the window
+        lambda increment: frame_bytes(0x8, 0, 0, increment.to_bytes(4, "big")),
+        st.sampled_from([0, 2**31 - 1, 2**31, 2**32 - 1]),
+    ),
+    st.builds(lambda: frame_bytes(0x8, 0, 1, (100).to_bytes(4, "big"))),  # stream 1
+    st.builds(lambda: frame_bytes(0x6, 0, 1, b"12345678")),  # PING off stream 0
+    st.builds(lambda n: frame_bytes(0x6, 0, 0, b"p" * n), st.sampled_from([0, 7, 9])),
+    st.builds(lambda: frame_bytes(0x8, 0, 0x80000000, (5).to_bytes(4, "big"))),
+    st.builds(lambda: frame_bytes(0x4, 0, 0, b"")),  # SETTINGS
+)
+
+
+@given(
+    frames=st.lists(FAST_FRAMES, min_size=1, max_size=6),
+    other=st.none() | st.tuples(st.integers(0, 6), OTHER_FRAMES),
+    cut=st.sampled_from([0, 0, 0, 1, 8, 13]),
+)
+def test_connection_control_leaves_h2_exactly_as_its_own_receive_data(
+    frames: list[bytes], other: tuple[int, bytes] | None, cut: int
+) -> None:
+    """For any chunk it takes, the fast path gives h2's events, the same bytes to
+    send (the PING ACKs) and the same send window; a chunk it refuses (another
+    frame in it, a frame cut short) changes nothing, for h2 to handle."""
+    if other is not None:
+        frames.insert(other[0], other[1])
+    chunk = b"".join(frames)
+    chunk = chunk[: len(chunk) - cut] if cut < len(chunk) else chunk
+    (fast, fast_client), (plain, plain_client) = h2_pair(), h2_pair()
+    for server, client in ((fast, fast_client), (plain, plain_client)):
+        responding(server, client)
+        server.data_to_send()
+    before = (fast.outbound_flow_control_window, fast.state_machine.state)
+    events = _grpclib.receive_connection_control(fast, chunk)
+    if events is None:
+        assert (fast.outbound_flow_control_window, fast.state_machine.state) == before
+        assert fast.data_to_send() == b""
+        return
+    assert events == plain.receive_data(chunk)
+    assert fast.data_to_send() == plain.data_to_send()
+    assert fast.outbound_flow_control_window == plain.outbound_flow_control_window
+    assert fast.state_machine.state is plain.state_machine.state
+
+
+def test_a_grpc_go_clients_answer_to_a_message_takes_the_fast_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection WINDOW_UPDATE and a BDP PING, as grpc-go sends after each
+    message: handled without a hyperframe frame, the ACK queued, the window grown."""
+    server, client = h2_pair()
+    responding(server, client)
+    server.data_to_send()
+    client.increment_flow_control_window(300)
+    client.ping(b"bdp-ping")
+    chunk = client.data_to_send()
+
+    def no_frames(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a hyperframe frame was built")
+
+    monkeypatch.setattr(hyperframe.frame.Frame, "__init__", no_frames)
+    window = server.outbound_flow_control_window
+    events = _grpclib.receive_connection_control(server, chunk)
+    assert events == [WindowUpdated(stream_id=0, delta=300), PingReceived(ping_data=b"bdp-ping")]
+    assert server.outbound_flow_control_window == window + 300
+    monkeypatch.undo()
+    acks = client.receive_data(server.data_to_send())
+    assert acks == [PingAckReceived(ping_data=b"bdp-ping")]
+
+
+def test_connection_control_leaves_to_h2_what_h2_is_in_the_middle_of() -> None:
+    """Half a frame h2 buffers, a header block awaiting CONTINUATION, a connection
+    before its first request: h2 handles the next chunk, whatever it holds."""
+    ping = frame_bytes(0x6, 0, 0, b"12345678")
+    server, client = h2_pair()
+    assert server.state_machine.state is not _grpclib.RECEIVING_CONNECTION_STATE
+    assert _grpclib.receive_connection_control(server, ping) is None
+    responding(server, client)
+    assert _grpclib.receive_connection_control(server, ping) is not None
+    server.receive_data(ping[:5])
+    assert _grpclib.receive_connection_control(server, ping) is None
+    assert [type(event) for event in server.receive_data(ping[5:])] == [PingReceived]
+    headers = frame_bytes(0x1, 0, 3, b"")  # no END_HEADERS: CONTINUATION must follow
+    assert server.receive_data(headers) == []
+    assert _grpclib.receive_connection_control(server, ping) is None
 
 
 def test_the_servers_encoder_keeps_no_dynamic_table() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 from hyperframe.frame import (
     DataFrame,
     Frame,
@@ -11,6 +14,8 @@ from hyperframe.frame import (
     SettingsFrame,
     WindowUpdateFrame,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jobsignal.rpc.guard import (
     CONTROL_FLOOD,
@@ -84,3 +89,33 @@ def test_stream_resets_have_their_own_budget() -> None:
     assert guard.charge_input(wire(RstStreamFrame(99)), 0.0) == RAPID_RESET
     assert guard.charge_input(wire(RstStreamFrame(101), RstStreamFrame(103)), 0.2) is None
     assert guard.charge_input(wire(RstStreamFrame(105)), 0.2) == RAPID_RESET
+
+
+# A frame on the wire as the budget sees it: its type and its payload's length.
+FRAME_SHAPES = st.tuples(st.integers(0, 0x0A), st.integers(0, 300))
+
+
+@given(
+    frames=st.lists(FRAME_SHAPES, max_size=30),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+    preface=st.booleans(),
+)
+def test_each_frame_is_charged_once_in_order_however_the_reads_are_cut(
+    frames: list[tuple[int, int]], cuts: list[int], preface: bool
+) -> None:
+    """Headers read in place or pieced together across reads, payloads skipped in
+    one read or many: the budget charges the same frames, in wire order."""
+    wire_bytes = (PREFACE if preface else b"") + b"".join(
+        length.to_bytes(3, "big") + bytes([frame_type, 0]) + b"\x00" * 4 + b"p" * length
+        for frame_type, length in frames
+    )
+    guard = ConnectionBudget(LIMITS, now=0.0)
+    if not preface:
+        guard.charge_input(PREFACE, 0.0)
+    charged: list[int] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(guard, "_charge_frame", lambda frame_type, now: charged.append(frame_type))
+        bounds = sorted({0, len(wire_bytes), *(cut % (len(wire_bytes) + 1) for cut in cuts)})
+        for start, stop in itertools.pairwise(bounds):
+            guard.charge_input(wire_bytes[start:stop], 0.0)
+    assert charged == [frame_type for frame_type, _ in frames]
