@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import grpclib.server
@@ -51,7 +52,7 @@ from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.guard import ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.limits import ConnectionCounter, Limits
-from jobsignal.rpc.output import ConnectionOutput, TurnFlusher
+from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
 from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class ConnectionTable:
         self.protocol_limits = protocol_limits or ProtocolLimits()
         self.counter = ConnectionCounter(self.limits)
         self.flusher = TurnFlusher()
+        self.late_flusher = LateFlusher()
         self._protocols: dict[Connection, ObservedH2Protocol] = {}
         # Every connection with an open transport, refused ones included: the
         # server closes all of them when it stops, or their sockets would leak.
@@ -200,7 +202,9 @@ class ObservedH2Protocol(H2Protocol):
         self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.activity = ConnectionActivity(self._table.ping_policy, self.peer, self.ip)
-        self.output = ConnectionOutput(self.connection, self._table.flusher)
+        self.output = ConnectionOutput(
+            self.connection, self._table.flusher, self._table.late_flusher
+        )
         self.budget = ConnectionBudget(self._limits, trio.current_time())
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(
@@ -289,10 +293,11 @@ class ObservedH2Protocol(H2Protocol):
             self._enhance_your_calm(broken)
             return
         # Most input of a live connection is the PING and WINDOW_UPDATE a client
-        # answers each message with: handled without h2's general path.
+        # answers each message with: handled without h2's general path, the ACK
+        # left for the connection's next write (rpc/output.py, LateFlusher).
         events = _grpclib.receive_connection_control(self._h2, chunk)
         if events is not None:
-            self._handle_events(events)
+            self._handle_events(events, flush=self.output.flush_late)
             return
         try:
             events = self.connection.feed(chunk)
@@ -309,9 +314,9 @@ class ObservedH2Protocol(H2Protocol):
             self.processor.close(reason=f"protocol error: {error}")
             return
         self.connection.flush()
-        self._handle_events(events)
+        self._handle_events(events, flush=self.output.flush_late)
 
-    def _handle_events(self, events: list[Event]) -> None:
+    def _handle_events(self, events: list[Event], flush: Callable[[], None]) -> None:
         window_may_have_opened = False
         for event in events:
             if isinstance(event, RemoteSettingsChanged):
@@ -326,7 +331,7 @@ class ObservedH2Protocol(H2Protocol):
                 return
         if window_may_have_opened:
             self.output.pump()
-        self.connection.flush()
+        flush()
 
     def _process(self, event: Event) -> None:
         _grpclib.process_event(self.processor, event)

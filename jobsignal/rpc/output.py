@@ -85,11 +85,50 @@ class TurnFlusher:
         self._scheduled = False
         self.turn += 1
         due, self._due = self._due, []
-        for output in due:
-            try:
-                output.flush_due()
-            except Exception:  # one connection's failure must not keep the others' output
-                _faults.error("flush", "writing a connection's output failed", exc_info=True)
+        _flush_each(due)
+
+
+# How late a PING ACK may go out when no other write on its connection takes it
+# first (`LateFlusher`).
+ACK_DELAY = 0.02
+
+
+class LateFlusher:
+    """Writes the frames connections owe but need not hurry, PING ACKs, at most
+    `ACK_DELAY` seconds late, in one timer for every connection.
+
+    A client that reads a stream answers each message with a PING (grpc-go's
+    bandwidth estimate); written at once, its ACK costs a system call per
+    message beside the message's own. Left in h2's output, it goes out with the
+    connection's next write (the next message, typically), or at the latest
+    when this timer fires. RFC 9113 asks that PING ACKs go before other frames,
+    which they do (h2's output keeps its order), not that they go at once; a
+    client's round-trip figure grows by at most `ACK_DELAY`.
+    """
+
+    __slots__ = ("_due", "_timer")
+
+    def __init__(self) -> None:
+        self._due: list[ConnectionOutput] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def due(self, output: ConnectionOutput, loop: asyncio.AbstractEventLoop) -> None:
+        self._due.append(output)
+        if self._timer is None:
+            self._timer = loop.call_later(ACK_DELAY, self._flush_all)
+
+    def _flush_all(self) -> None:
+        self._timer = None
+        due, self._due = self._due, []
+        _flush_each(due, late=True)
+
+
+def _flush_each(due: list[ConnectionOutput], *, late: bool = False) -> None:
+    for output in due:
+        try:
+            output.flush_late_due() if late else output.flush_due()
+        except Exception:  # one connection's failure must not keep the others' output
+            _faults.error("flush", "writing a connection's output failed", exc_info=True)
 
 
 class ConnectionOutput:
@@ -97,15 +136,21 @@ class ConnectionOutput:
         "_connection",
         "_flush_scheduled",
         "_flusher",
+        "_late_flusher",
+        "_late_scheduled",
         "_loop",
         "_pump_scheduled",
         "_waiting",
         "_written_in_turn",
     )
 
-    def __init__(self, connection: Connection, flusher: TurnFlusher) -> None:
+    def __init__(
+        self, connection: Connection, flusher: TurnFlusher, late_flusher: LateFlusher
+    ) -> None:
         self._connection = connection
         self._flusher = flusher
+        self._late_flusher = late_flusher
+        self._late_scheduled = False
         # Held, not looked up: writes also come from trio tasks outside any asyncio context.
         self._loop = asyncio.get_running_loop()
         self._flush_scheduled = False
@@ -131,6 +176,13 @@ class ConnectionOutput:
             self._flush_scheduled = True
             self._flusher.due(self, self._loop)
 
+    def flush_late(self) -> None:
+        """Write the connection's queued frames with its next write, or `ACK_DELAY`
+        from now at the latest (`LateFlusher`)."""
+        if not self._late_scheduled:
+            self._late_scheduled = True
+            self._late_flusher.due(self, self._loop)
+
     def flush_first_now(self) -> None:
         """Write the connection's queued frames now if this is its first write of the
         loop turn, else at the end of the turn: the first write is not delayed, and
@@ -150,6 +202,12 @@ class ConnectionOutput:
     def flush_due(self) -> None:
         """The end of the turn (`TurnFlusher`): write what was queued since."""
         self._flush_scheduled = False
+        self._flush_now()
+
+    def flush_late_due(self) -> None:
+        """The end of the late frames' wait (`LateFlusher`): write what is still queued
+        (nothing, when a write since took it)."""
+        self._late_scheduled = False
         self._flush_now()
 
     async def send_in_turn(self, stream: Stream, data: memoryview) -> None:

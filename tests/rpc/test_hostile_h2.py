@@ -41,6 +41,7 @@ from hyperframe.frame import (
 )
 
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, Status
+from jobsignal.rpc import output as output_module
 from jobsignal.rpc.guard import CONTROL_FLOOD, RAPID_RESET, ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
@@ -689,3 +690,59 @@ async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> 
         got = {s: _data_on(peer, s) - start[s] for s in start}
         # Served in turn, 16 KiB a round: about half each (one stream first would get it all).
         assert min(got.values()) >= 96 * 1024, got
+
+
+# -- PING ACKs (rpc/output.py, LateFlusher) -----------------------------------------------
+
+
+async def a_subscriber_after_one_message(server: ServerHarness, peer: RawPeer) -> list[int]:
+    """The peer subscribed, its first message read; the server's writes counted from here."""
+    await peer.handshake()
+    await peer.subscribe(3, "CCAgent", await peer.register(1))
+    await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
+    server.broadcaster.publish([make_job(0)])
+    await peer.read_until(lambda p: len(_messages_on(p, 3)) == 1)
+    return count_writes(server.connections)
+
+
+async def answer_like_grpc_go(server: ServerHarness, peer: RawPeer, opaque: bytes) -> None:
+    """What grpc-go sends for each message: a connection WINDOW_UPDATE and a PING,
+    in one write; back once the server has handled both."""
+    (protocol,) = server.connections.protocols()
+    pings = protocol.activity.pings_received
+    await peer.send(WindowUpdateFrame(0, window_increment=300), PingFrame(0, opaque_data=opaque))
+    await wait_until(lambda: protocol.activity.pings_received == pings + 1, within=WAIT)
+
+
+def ping_acks(peer: RawPeer) -> list[bytes]:
+    return [f.opaque_data for f in peer.frames if isinstance(f, PingFrame) and "ACK" in f.flags]
+
+
+async def test_a_ping_ack_goes_out_with_the_connections_next_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ACK waits in h2's output and shares the next message's system call,
+    ahead of it (RFC 9113: PING responses before other frames)."""
+    monkeypatch.setattr(output_module, "ACK_DELAY", 3600.0)  # only the message can take it
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        writes = await a_subscriber_after_one_message(server, peer)
+        await answer_like_grpc_go(server, peer, b"bdp-ping")
+        assert writes == []
+        server.broadcaster.publish([make_job(1)])
+        await peer.read_until(lambda p: len(_messages_on(p, 3)) == 2)
+        assert len(writes) == 1
+        assert ping_acks(peer) == [b"bdp-ping"]
+        ack_at = next(i for i, f in enumerate(peer.frames) if isinstance(f, PingFrame))
+        last_data_at = max(i for i, f in enumerate(peer.frames) if isinstance(f, DataFrame))
+        assert ack_at < last_data_at
+
+
+async def test_a_ping_ack_with_no_message_to_follow_goes_out_after_the_delay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(output_module, "ACK_DELAY", 0.05)
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        writes = await a_subscriber_after_one_message(server, peer)
+        await answer_like_grpc_go(server, peer, b"keepaliv")
+        await peer.read_until(lambda p: ping_acks(p) == [b"keepaliv"])
+        assert len(writes) == 1

@@ -1,4 +1,5 @@
-"""TurnFlusher: one end-of-turn callback writes every connection with output due."""
+"""TurnFlusher: one end-of-turn callback writes every connection with output due;
+LateFlusher: one timer writes the PING ACKs no other write took."""
 
 from __future__ import annotations
 
@@ -8,15 +9,26 @@ from typing import Any, cast
 
 import pytest
 
-from jobsignal.rpc.output import ConnectionOutput, TurnFlusher
+from jobsignal.rpc import output as output_module
+from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
 
 
 class FakeLoop:
     def __init__(self) -> None:
         self.callbacks: list[Callable[[], None]] = []
+        self.timers: list[tuple[float, Callable[[], None]]] = []
 
     def call_soon(self, callback: Callable[[], None]) -> None:
         self.callbacks.append(callback)
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> object:
+        self.timers.append((delay, callback))
+        return object()  # the handle, which LateFlusher only holds
+
+    def fire_timers(self) -> None:
+        timers, self.timers = self.timers, []
+        for _, callback in timers:
+            callback()
 
     def run_turn(self) -> None:
         callbacks, self.callbacks = self.callbacks, []
@@ -88,8 +100,10 @@ def loop(monkeypatch: pytest.MonkeyPatch) -> FakeLoop:
     return fake
 
 
-def output_on(connection: FakeConnection, flusher: TurnFlusher) -> ConnectionOutput:
-    return ConnectionOutput(cast(Any, connection), flusher)
+def output_on(
+    connection: FakeConnection, flusher: TurnFlusher, late: LateFlusher | None = None
+) -> ConnectionOutput:
+    return ConnectionOutput(cast(Any, connection), flusher, late or LateFlusher())
 
 
 def test_the_first_write_of_a_turn_goes_out_at_once_and_later_ones_at_its_end(
@@ -119,3 +133,32 @@ def test_a_single_write_in_a_turn_costs_no_flush_at_its_end(loop: FakeLoop) -> N
     assert [connection.flushes for connection in connections] == [1] * 100
     outputs[0].flush_first_now()
     assert connections[0].flushes == 2
+
+
+def test_late_frames_of_every_connection_wait_for_one_timer(loop: FakeLoop) -> None:
+    late, flusher = LateFlusher(), TurnFlusher()
+    connections = [FakeConnection() for _ in range(50)]
+    outputs = [output_on(connection, flusher, late) for connection in connections]
+    for output in outputs:  # fifty clients' PINGs, answered in one write each, later
+        output.flush_late()
+        output.flush_late()  # asking again while waiting changes nothing
+    assert [delay for delay, _ in loop.timers] == [output_module.ACK_DELAY]
+    assert [connection.flushes for connection in connections] == [0] * 50
+    loop.fire_timers()
+    assert [connection.flushes for connection in connections] == [1] * 50
+    outputs[0].flush_late()  # the next wait has a timer of its own
+    assert len(loop.timers) == 1
+    loop.fire_timers()
+    assert connections[0].flushes == 2
+
+
+def test_a_late_flush_does_not_hold_back_the_connections_own_writes(loop: FakeLoop) -> None:
+    """A message written meanwhile goes at once (taking the ACK with it, in h2's
+    output); the timer then writes whatever is left, which is nothing."""
+    connection = FakeConnection()
+    output = output_on(connection, TurnFlusher())
+    output.flush_late()
+    output.flush_first_now()
+    assert connection.flushes == 1
+    loop.fire_timers()
+    assert connection.flushes == 2
