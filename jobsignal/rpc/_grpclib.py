@@ -31,10 +31,13 @@ methods; the `lighten_*` functions swap them for the containers of
 `rpc.lean`, and `accept_request` drops a finished handler task at once,
 where grpclib kept it (and its stream) until the connection's tenth request.
 
-Last, the writes themselves: `send_now` queues its DATA frames into h2 the
-way h2's own `send_data` does (state machines, both windows, the
-output buffer) without building a hyperframe frame object, the largest cost
-of a delivery after the system call (docs/architecture.md section 6).
+Last, the hot paths of a subscription, each checked against h2's own:
+`send_now` queues its DATA frames into h2 the way h2's own `send_data` does
+(state machines, both windows, the output buffer) without building a
+hyperframe frame object, the largest cost of a delivery after the system
+call (docs/architecture.md section 6); `receive_pings_and_window_updates`
+takes the PING and WINDOW_UPDATE frames a client answers each message with
+the way h2's `receive_data` would (section 8).
 """
 
 from __future__ import annotations
@@ -449,31 +452,35 @@ def _send_data_frame(
 # -- the frames a gRPC client sends after each message ---------------------------------------
 
 # A grpc-go client answers each message it receives with a connection
-# WINDOW_UPDATE and a PING for its bandwidth estimate (BDP), and the server owes
-# a PING ACK: about three times the work of the delivery itself through h2's
+# WINDOW_UPDATE and a PING for its bandwidth estimate (BDP), now and then a
+# stream WINDOW_UPDATE too, and the server owes a PING ACK: through h2's
 # general path (a hyperframe frame object each, its repr for a trace log that
-# is off, the state machine, the ACK built and serialized as a frame object).
+# is off, the state machines, the ACK built and serialized as a frame object)
+# about three times the work of the delivery itself.
 _PING = 0x6
 _WINDOW_UPDATE = 0x8
 _ACK = 0x1
 _LARGEST_WINDOW = 2**31 - 1
-_CONNECTION_CONTROL = {_PING: 8, _WINDOW_UPDATE: 4}  # frame type: its only valid length
+_FRAME_LENGTHS = {_PING: 8, _WINDOW_UPDATE: 4}  # frame type: its only valid length
 _PING_ACK_HEADER = b"\x00\x00\x08\x06\x01\x00\x00\x00\x00"
-# The connection state in which receiving PING and WINDOW_UPDATE leaves h2's
-# connection state machine as it is (checked against the installed h2 by
-# tests/rpc/test_grpclib_adapter.py).
+# The states in which receiving PING and WINDOW_UPDATE leaves h2's connection
+# machine as it is, and a stream's machine too, only announcing the update
+# (checked against the installed h2 by tests/rpc/test_grpclib_adapter.py).
 RECEIVING_CONNECTION_STATE = ConnectionState.SERVER_OPEN
+WINDOW_STREAM_STATES = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
 
 
-def receive_connection_control(h2_connection: H2Connection, chunk: bytes) -> list[Event] | None:
-    """h2's `receive_data(chunk)` for a chunk of whole, valid PING and connection
-    WINDOW_UPDATE frames and nothing else, without hyperframe: the same events, the
-    PING ACKs in h2's output buffer and the connection's send window grown, as h2
-    does. None, with nothing changed, for any other chunk (a frame of another type
-    or stream, one split across reads, a window that would overflow, a connection
-    not open, input h2 still buffers): the caller then hands it to h2.
-    `tests/rpc/test_grpclib_adapter.py` checks events, bytes and windows against
-    h2 for random chunks."""
+def receive_pings_and_window_updates(
+    h2_connection: H2Connection, chunk: bytes
+) -> list[Event] | None:
+    """h2's `receive_data(chunk)` for a chunk of whole, valid PING and WINDOW_UPDATE
+    frames (the connection's, or an open stream's) and nothing else, without
+    hyperframe: the same events, the PING ACKs in h2's output buffer, the send
+    windows grown, as h2 does. None, with nothing changed, for any other chunk (a
+    frame of another type, one split across reads, a window that would overflow,
+    a stream h2 does not hold open, a connection not open, input h2 still
+    buffers): the caller then hands it to h2. `tests/rpc/test_grpclib_adapter.py`
+    checks events, bytes and windows against h2 for random chunks."""
     if h2_connection.state_machine.state is not RECEIVING_CONNECTION_STATE:
         return None
     if not _frame_buffer_empty(h2_connection.incoming_buffer):
@@ -481,24 +488,36 @@ def receive_connection_control(h2_connection: H2Connection, chunk: bytes) -> lis
     # Check every frame first, so that a chunk h2 must see changes nothing here.
     end = len(chunk)
     position = 0
-    window = h2_connection.outbound_flow_control_window
+    windows: dict[int, int] = {}  # stream id (0: the connection): its window after the chunk
+    streams = h2_connection.streams
     while position < end:
         if end - position < 9:
             return None
         frame_type = chunk[position + 3]
-        length = _CONNECTION_CONTROL.get(frame_type)
+        length = _FRAME_LENGTHS.get(frame_type)
         if length is None or int.from_bytes(chunk[position : position + 3], "big") != length:
             return None
-        if chunk[position + 5 : position + 9] != b"\x00\x00\x00\x00":  # stream 0
-            return None
+        stream_id = int.from_bytes(chunk[position + 5 : position + 9], "big")
         body = position + 9
         if end - body < length:
             return None
-        if frame_type == _WINDOW_UPDATE:
-            increment = int.from_bytes(chunk[body : body + 4], "big")
-            if not 1 <= increment <= _LARGEST_WINDOW - window:  # (h2 raises; let it)
+        if frame_type == _PING:
+            if stream_id:
                 return None
-            window += increment
+        else:
+            window = windows.get(stream_id)
+            if window is None:
+                if not stream_id:
+                    window = h2_connection.outbound_flow_control_window
+                else:
+                    stream = streams.get(stream_id)  # (a reserved bit set: no such id)
+                    if stream is None or stream.state_machine.state not in WINDOW_STREAM_STATES:
+                        return None
+                    window = stream.outbound_flow_control_window
+            increment = int.from_bytes(chunk[body : body + 4], "big")
+            if not 1 <= increment <= _LARGEST_WINDOW - window:  # (h2 raises or resets; let it)
+                return None
+            windows[stream_id] = window + increment
         position = body + length
     events: list[Event] = []
     position = 0
@@ -513,9 +532,13 @@ def receive_connection_control(h2_connection: H2Connection, chunk: bytes) -> lis
                 h2_connection._data_to_send += _PING_ACK_HEADER + opaque
             position = body + 8
         else:
+            stream_id = int.from_bytes(chunk[position + 5 : body], "big")
             increment = int.from_bytes(chunk[body : body + 4], "big")
-            h2_connection.outbound_flow_control_window += increment
-            events.append(WindowUpdated(stream_id=0, delta=increment))
+            if stream_id:
+                streams[stream_id].outbound_flow_control_window += increment
+            else:
+                h2_connection.outbound_flow_control_window += increment
+            events.append(WindowUpdated(stream_id=stream_id, delta=increment))
             position = body + 4
     return events
 

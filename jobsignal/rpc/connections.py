@@ -295,7 +295,7 @@ class ObservedH2Protocol(H2Protocol):
         # Most input of a live connection is the PING and WINDOW_UPDATE a client
         # answers each message with: handled without h2's general path, the ACK
         # left for the connection's next write (rpc/output.py, LateFlusher).
-        events = _grpclib.receive_connection_control(self._h2, chunk)
+        events = _grpclib.receive_pings_and_window_updates(self._h2, chunk)
         if events is not None:
             self._handle_events(events, flush=self.output.flush_late)
             return

@@ -584,13 +584,17 @@ def test_send_now_builds_no_hyperframe_frame(monkeypatch: pytest.MonkeyPatch) ->
         server.send_data(1, b"m")
 
 
-def test_the_state_where_connection_control_skips_h2s_machine_is_a_self_loop() -> None:
-    """`receive_connection_control` works only in this state, where h2's machine
-    neither acts nor moves on PING and WINDOW_UPDATE: an h2 that does fails here."""
+def test_the_states_where_pings_and_window_updates_skip_h2s_machines() -> None:
+    """`receive_pings_and_window_updates` works only in these states: there h2's
+    connection machine neither acts nor moves on PING and WINDOW_UPDATE, and a
+    stream's machine only announces the update. An h2 that does more fails here."""
     state = _grpclib.RECEIVING_CONNECTION_STATE
     transitions = h2.connection.H2ConnectionStateMachine._transitions
     for received in (ConnectionInputs.RECV_PING, ConnectionInputs.RECV_WINDOW_UPDATE):
         assert transitions[(state, received)] == (None, state)
+    for stream_state in _grpclib.WINDOW_STREAM_STATES:
+        action, target = h2.stream._transitions[(stream_state, StreamInputs.RECV_WINDOW_UPDATE)]
+        assert (action, target) == (h2.stream.H2StreamStateMachine.window_updated, stream_state)
 
 
 def frame_bytes(frame_type: int, flags: int, stream_id: int, payload: bytes) -> bytes:
@@ -608,7 +612,8 @@ FAST_FRAMES = st.one_of(
         st.binary(min_size=8, max_size=8),
     ),
     st.builds(
-        lambda increment: frame_bytes(0x8, 0, 0, increment.to_bytes(4, "big")),
+        lambda stream_id, increment: frame_bytes(0x8, 0, stream_id, increment.to_bytes(4, "big")),
+        st.sampled_from([0, 1]),  # the connection, or the open stream
         st.integers(1, 70_000),
     ),
 )
@@ -617,10 +622,17 @@ OTHER_FRAMES = st.one_of(
         lambda increment: frame_bytes(0x8, 0, 0, increment.to_bytes(4, "big")),
         st.sampled_from([0, 2**31 - 1, 2**31, 2**32 - 1]),
     ),
-    st.builds(lambda: frame_bytes(0x8, 0, 1, (100).to_bytes(4, "big"))),  # stream 1
+    st.builds(  # a stream h2 never saw, or one that would overflow the open stream's window
+        lambda stream_id, increment: frame_bytes(0x8, 0, stream_id, increment.to_bytes(4, "big")),
+        st.sampled_from([1, 3]),
+        st.sampled_from([100, 2**31 - 1]),
+    ),
     st.builds(lambda: frame_bytes(0x6, 0, 1, b"12345678")),  # PING off stream 0
     st.builds(lambda n: frame_bytes(0x6, 0, 0, b"p" * n), st.sampled_from([0, 7, 9])),
-    st.builds(lambda: frame_bytes(0x8, 0, 0x80000000, (5).to_bytes(4, "big"))),
+    st.builds(  # the reserved bit set, on the connection or on the open stream
+        lambda stream_id: frame_bytes(0x8, 0, stream_id, (5).to_bytes(4, "big")),
+        st.sampled_from([0x80000000, 0x80000001]),
+    ),
     st.builds(lambda: frame_bytes(0x4, 0, 0, b"")),  # SETTINGS
 )
 
@@ -630,7 +642,7 @@ OTHER_FRAMES = st.one_of(
     other=st.none() | st.tuples(st.integers(0, 6), OTHER_FRAMES),
     cut=st.sampled_from([0, 0, 0, 1, 8, 13]),
 )
-def test_connection_control_leaves_h2_exactly_as_its_own_receive_data(
+def test_pings_and_window_updates_leave_h2_exactly_as_its_own_receive_data(
     frames: list[bytes], other: tuple[int, bytes] | None, cut: int
 ) -> None:
     """For any chunk it takes, the fast path gives h2's events, the same bytes to
@@ -644,16 +656,15 @@ def test_connection_control_leaves_h2_exactly_as_its_own_receive_data(
     for server, client in ((fast, fast_client), (plain, plain_client)):
         responding(server, client)
         server.data_to_send()
-    before = (fast.outbound_flow_control_window, fast.state_machine.state)
-    events = _grpclib.receive_connection_control(fast, chunk)
+    before = h2_state(fast, 1)
+    events = _grpclib.receive_pings_and_window_updates(fast, chunk)
     if events is None:
-        assert (fast.outbound_flow_control_window, fast.state_machine.state) == before
+        assert h2_state(fast, 1) == before
         assert fast.data_to_send() == b""
         return
     assert events == plain.receive_data(chunk)
     assert fast.data_to_send() == plain.data_to_send()
-    assert fast.outbound_flow_control_window == plain.outbound_flow_control_window
-    assert fast.state_machine.state is plain.state_machine.state
+    assert h2_state(fast, 1) == h2_state(plain, 1)
 
 
 def test_a_grpc_go_clients_answer_to_a_message_takes_the_fast_path(
@@ -673,7 +684,7 @@ def test_a_grpc_go_clients_answer_to_a_message_takes_the_fast_path(
 
     monkeypatch.setattr(hyperframe.frame.Frame, "__init__", no_frames)
     window = server.outbound_flow_control_window
-    events = _grpclib.receive_connection_control(server, chunk)
+    events = _grpclib.receive_pings_and_window_updates(server, chunk)
     assert events == [WindowUpdated(stream_id=0, delta=300), PingReceived(ping_data=b"bdp-ping")]
     assert server.outbound_flow_control_window == window + 300
     monkeypatch.undo()
@@ -681,21 +692,28 @@ def test_a_grpc_go_clients_answer_to_a_message_takes_the_fast_path(
     assert acks == [PingAckReceived(ping_data=b"bdp-ping")]
 
 
-def test_connection_control_leaves_to_h2_what_h2_is_in_the_middle_of() -> None:
+def test_pings_and_window_updates_leave_to_h2_what_h2_is_in_the_middle_of() -> None:
     """Half a frame h2 buffers, a header block awaiting CONTINUATION, a connection
-    before its first request: h2 handles the next chunk, whatever it holds."""
+    before its first request, a stream the server has ended: h2 handles the next
+    chunk, whatever it holds."""
     ping = frame_bytes(0x6, 0, 0, b"12345678")
     server, client = h2_pair()
     assert server.state_machine.state is not _grpclib.RECEIVING_CONNECTION_STATE
-    assert _grpclib.receive_connection_control(server, ping) is None
+    assert _grpclib.receive_pings_and_window_updates(server, ping) is None
     responding(server, client)
-    assert _grpclib.receive_connection_control(server, ping) is not None
+    assert _grpclib.receive_pings_and_window_updates(server, ping) is not None
     server.receive_data(ping[:5])
-    assert _grpclib.receive_connection_control(server, ping) is None
+    assert _grpclib.receive_pings_and_window_updates(server, ping) is None
     assert [type(event) for event in server.receive_data(ping[5:])] == [PingReceived]
     headers = frame_bytes(0x1, 0, 3, b"")  # no END_HEADERS: CONTINUATION must follow
     assert server.receive_data(headers) == []
-    assert _grpclib.receive_connection_control(server, ping) is None
+    assert _grpclib.receive_pings_and_window_updates(server, ping) is None
+    ended, ended_client = h2_pair()
+    responding(ended, ended_client)
+    update = frame_bytes(0x8, 0, 1, (10).to_bytes(4, "big"))
+    assert _grpclib.receive_pings_and_window_updates(ended, update) is not None
+    ended.end_stream(1)
+    assert _grpclib.receive_pings_and_window_updates(ended, update) is None
 
 
 def test_the_servers_encoder_keeps_no_dynamic_table() -> None:
