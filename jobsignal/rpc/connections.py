@@ -314,7 +314,7 @@ class ObservedH2Protocol(H2Protocol):
             self.processor.close(reason=f"protocol error: {error}")
             return
         self.connection.flush()
-        self._handle_events(events, flush=self.output.flush_late)
+        self._handle_events(events, flush=self.connection.flush)
 
     def _handle_events(self, events: list[Event], flush: Callable[[], None]) -> None:
         window_may_have_opened = False

@@ -746,3 +746,17 @@ async def test_a_ping_ack_with_no_message_to_follow_goes_out_after_the_delay(
         await answer_like_grpc_go(server, peer, b"keepaliv")
         await peer.read_until(lambda p: ping_acks(p) == [b"keepaliv"])
         assert len(writes) == 1
+
+
+async def test_what_h2s_general_path_answers_goes_out_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the fast path's PING ACKs wait: a status the server writes while handling
+    other frames (here a request without :path) does not wait for the late flush."""
+    monkeypatch.setattr(output_module, "ACK_DELAY", 3600.0)
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await peer.handshake()
+        headers = [h for h in grpc_request_headers(server.port) if h[0] != ":path"]
+        await peer.send(peer.headers_frame(1, headers, end_stream=True))
+        await peer.read_until(lambda p: 1 in p.ended_streams(), within=5)
+        assert dict(peer.headers[1])["grpc-status"] == "13"
