@@ -27,28 +27,13 @@ import trio
 
 from bench.common import ROLES, run_micro
 from bench.events import make_jobs
-from bench.jobsignal_server import bench_registry
-from bench.micro_publish import RawSubscriber, wait_for_subscribers
-from jobsignal._proto.job import ClientInfo, Status
+from bench.micro_publish import RawSubscriber, serving, wait_for_subscribers
 from jobsignal.fanout import Broadcaster
 from jobsignal.rpc.connections import ObservedH2Protocol
-from jobsignal.rpc.server import ServerSettings, run_grpc_server
-from jobsignal.status import SourceStatus
 
 
 class AnsweringSubscriber(RawSubscriber):
     """A subscriber with h2's default windows that answers each message as grpc-go does."""
-
-    async def subscribe(self, role: str) -> None:
-        self.h2.initiate_connection()
-        self.request(1, "Register", bytes(ClientInfo(role=role)))
-        while 1 not in self.ended:
-            await self.exchange()
-        client_id = Status.parse(self.bodies[1][5:]).client_id
-        self.request(
-            3, "SubscribeJobSummarySignal", bytes(ClientInfo(role=role, client_id=client_id))
-        )
-        await self.stream.send_all(self.h2.data_to_send())
 
     async def answer_one_message(self, round_number: int) -> None:
         """Read until a message arrives, then send the WINDOW_UPDATE and PING."""
@@ -107,19 +92,13 @@ async def measure(subscribers: int, events: int) -> dict[str, Any]:
 
 async def measure_with(clock: InputClock, subscribers: int, events: int) -> dict[str, Any]:
     broadcaster = Broadcaster()
-    settings = ServerSettings(host="127.0.0.1", port=0)
-    status, shutdown = SourceStatus(), trio.Event()
-    async with trio.open_nursery() as nursery:
-        running = await nursery.start(
-            run_grpc_server, settings, broadcaster, bench_registry(), status, shutdown
-        )
-        status.mark_ready(time.time())
+    async with serving(broadcaster) as running:
         peers = []
         for _ in range(subscribers):
             peer = AnsweringSubscriber(
                 await trio.open_tcp_stream("127.0.0.1", running.port), running.port
             )
-            await peer.subscribe(ROLES[0])
+            await peer.subscribe(ROLES[0], wide_open=False)
             peers.append(peer)
         await wait_for_subscribers(broadcaster, subscribers)
         jobs = make_jobs(50, servers=1)
@@ -138,10 +117,6 @@ async def measure_with(clock: InputClock, subscribers: int, events: int) -> dict
                 calls.append(clock.calls)
         for peer in peers:
             await trio.aclose_forcefully(peer.stream)
-        shutdown.set()
-        with trio.move_on_after(settings.shutdown_grace + 5):
-            await running.stopped.wait()
-        nursery.cancel_scope.cancel()
     return {
         "subscribers": subscribers,
         "events": events,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import h2.config
@@ -30,7 +31,7 @@ from bench.events import make_jobs
 from bench.jobsignal_server import bench_registry
 from jobsignal._proto.job import ClientInfo, Status
 from jobsignal.fanout import Broadcaster
-from jobsignal.rpc.server import ServerSettings, run_grpc_server
+from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
 from jobsignal.status import SourceStatus
 
 WIDEST = 2**31 - 1
@@ -77,10 +78,13 @@ class RawSubscriber:
             elif isinstance(event, h2.events.StreamEnded) and event.stream_id is not None:
                 self.ended.add(event.stream_id)
 
-    async def subscribe(self, role: str) -> None:
+    async def subscribe(self, role: str, *, wide_open: bool = True) -> None:
+        """Register, then Subscribe; `wide_open`: with the widest windows HTTP/2 allows
+        (else h2's defaults, which the peer must then open itself)."""
         self.h2.initiate_connection()
-        self.h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: WIDEST})
-        self.h2.increment_flow_control_window(WIDEST - 65_535)
+        if wide_open:
+            self.h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: WIDEST})
+            self.h2.increment_flow_control_window(WIDEST - 65_535)
         self.request(1, "Register", bytes(ClientInfo(role=role)))
         while 1 not in self.ended:
             await self.exchange()
@@ -107,15 +111,26 @@ async def wait_for_subscribers(broadcaster: Broadcaster, count: int) -> None:
             await trio.sleep(0.01)
 
 
-async def measure(subscribers: int, events: int) -> dict[str, Any]:
-    broadcaster = Broadcaster()
+@contextlib.asynccontextmanager
+async def serving(broadcaster: Broadcaster) -> AsyncIterator[RunningServer]:
+    """jobsignal's gRPC server on 127.0.0.1 in this process, ready; stopped on exit."""
     settings = ServerSettings(host="127.0.0.1", port=0)
     status, shutdown = SourceStatus(), trio.Event()
     async with trio.open_nursery() as nursery:
-        running = await nursery.start(
+        running: RunningServer = await nursery.start(
             run_grpc_server, settings, broadcaster, bench_registry(), status, shutdown
         )
         status.mark_ready(time.time())
+        yield running
+        shutdown.set()
+        with trio.move_on_after(settings.shutdown_grace + 5):
+            await running.stopped.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def measure(subscribers: int, events: int) -> dict[str, Any]:
+    broadcaster = Broadcaster()
+    async with serving(broadcaster) as running, trio.open_nursery() as nursery:
         for _ in range(subscribers):
             peer = RawSubscriber(
                 await trio.open_tcp_stream("127.0.0.1", running.port), running.port
@@ -137,10 +152,7 @@ async def measure(subscribers: int, events: int) -> dict[str, Any]:
             cpu.append(time.process_time() - started_cpu)
             await trio.sleep(0.005)  # the readers drain, the loop flushes
         from_publish = stats.batches_written_from_publish - before
-        shutdown.set()
-        with trio.move_on_after(settings.shutdown_grace + 5):
-            await running.stopped.wait()
-        nursery.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()  # the readers
     return {
         "subscribers": subscribers,
         "events": events,
