@@ -485,9 +485,13 @@ def receive_pings_and_window_updates(
         return None
     if not _frame_buffer_empty(h2_connection.incoming_buffer):
         return None
-    # Check every frame first, so that a chunk h2 must see changes nothing here.
+    # Every frame is checked before anything changes, so that a chunk h2 must see
+    # leaves h2 as it was: the events, the ACKs and the windows after the chunk
+    # are gathered first, and applied only once the whole chunk is taken.
     end = len(chunk)
     position = 0
+    events: list[Event] = []
+    acks = b""
     windows: dict[int, int] = {}  # stream id (0: the connection): its window after the chunk
     streams = h2_connection.streams
     while position < end:
@@ -504,6 +508,12 @@ def receive_pings_and_window_updates(
         if frame_type == _PING:
             if stream_id:
                 return None
+            opaque = chunk[body : body + 8]
+            if chunk[position + 4] & _ACK:
+                events.append(PingAckReceived(ping_data=opaque))
+            else:
+                events.append(PingReceived(ping_data=opaque))
+                acks += _PING_ACK_HEADER + opaque
         else:
             window = windows.get(stream_id)
             if window is None:
@@ -518,28 +528,14 @@ def receive_pings_and_window_updates(
             if not 1 <= increment <= _LARGEST_WINDOW - window:  # (h2 raises or resets; let it)
                 return None
             windows[stream_id] = window + increment
-        position = body + length
-    events: list[Event] = []
-    position = 0
-    while position < end:
-        body = position + 9
-        if chunk[position + 3] == _PING:
-            opaque = chunk[body : body + 8]
-            if chunk[position + 4] & _ACK:
-                events.append(PingAckReceived(ping_data=opaque))
-            else:
-                events.append(PingReceived(ping_data=opaque))
-                h2_connection._data_to_send += _PING_ACK_HEADER + opaque
-            position = body + 8
-        else:
-            stream_id = int.from_bytes(chunk[position + 5 : body], "big")
-            increment = int.from_bytes(chunk[body : body + 4], "big")
-            if stream_id:
-                streams[stream_id].outbound_flow_control_window += increment
-            else:
-                h2_connection.outbound_flow_control_window += increment
             events.append(WindowUpdated(stream_id=stream_id, delta=increment))
-            position = body + 4
+        position = body + length
+    for stream_id, window in windows.items():
+        if stream_id:
+            streams[stream_id].outbound_flow_control_window = window
+        else:
+            h2_connection.outbound_flow_control_window = window
+    h2_connection._data_to_send += acks
     return events
 
 

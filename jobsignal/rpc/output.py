@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +86,7 @@ class TurnFlusher:
         self._scheduled = False
         self.turn += 1
         due, self._due = self._due, []
-        _flush_each(due)
+        _flush_each([output.flush_due for output in due])
 
 
 # How late a PING ACK may go out when no other write on its connection takes it
@@ -120,13 +121,13 @@ class LateFlusher:
     def _flush_all(self) -> None:
         self._timer = None
         due, self._due = self._due, []
-        _flush_each(due, late=True)
+        _flush_each([output.flush_late_due for output in due])
 
 
-def _flush_each(due: list[ConnectionOutput], *, late: bool = False) -> None:
-    for output in due:
+def _flush_each(flushes: list[Callable[[], None]]) -> None:
+    for flush in flushes:
         try:
-            output.flush_late_due() if late else output.flush_due()
+            flush()
         except Exception:  # one connection's failure must not keep the others' output
             _faults.error("flush", "writing a connection's output failed", exc_info=True)
 
