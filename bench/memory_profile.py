@@ -155,8 +155,6 @@ class Subscribers:
 
     def stop(self) -> None:
         self.child.stop()
-        if self.child.proc.stdout is not None:
-            self.child.proc.stdout.close()
 
 
 @contextlib.asynccontextmanager
@@ -294,42 +292,37 @@ def idle_server(
     """Start the emulator with `jobs` jobs and `jobsignal serve` against it; measure."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with Child("cluster", "bench.cluster", ["--deadline", "600"], env=env, log_dir=work) as cluster:
+        cluster.wait_ready()
+        cluster.request({"cmd": "populate", "count": jobs, "servers": 2})
+        server_env = {**os.environ, "IDLE_REPORT": str(work / "idle.json")}
+        if python is None:  # this repository's jobsignal
+            server_env["PYTHONPATH"] = str(REPO)
+        else:  # the interpreter's installed one, from a directory without a jobsignal
+            server_env.pop("PYTHONPATH", None)
+        if trace:
+            server_env["PYTHONTRACEMALLOC"] = "1"
+        command = [python or sys.executable, "-c", IDLE_SERVER, "serve"]
+        command += ["--kubeconfig", str(write_kubeconfig(work, cluster.ready["url"]))]
+        command += ["--listen", f"127.0.0.1:{free_port()}", "--namespaces", "bench"]
+        server = subprocess.Popen(
+            command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=work, env=server_env
+        )
         try:
-            cluster.wait_ready()
-            cluster.request({"cmd": "populate", "count": jobs, "servers": 2})
-            server_env = {**os.environ, "IDLE_REPORT": str(work / "idle.json")}
-            if python is None:  # this repository's jobsignal
-                server_env["PYTHONPATH"] = str(REPO)
-            else:  # the interpreter's installed one, from a directory without a jobsignal
-                server_env.pop("PYTHONPATH", None)
-            if trace:
-                server_env["PYTHONTRACEMALLOC"] = "1"
-            command = [python or sys.executable, "-c", IDLE_SERVER, "serve"]
-            command += ["--kubeconfig", str(write_kubeconfig(work, cluster.ready["url"]))]
-            command += ["--listen", f"127.0.0.1:{free_port()}", "--namespaces", "bench"]
-            server = subprocess.Popen(
-                command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=work, env=server_env
-            )
-            try:
-                assert server.stderr is not None
-                log = []
-                for raw in server.stderr:
-                    log.append(raw.decode(errors="replace"))
-                    if LISTED in log[-1]:
-                        break
-                else:
-                    raise RuntimeError("the server exited before its first LIST:\n" + "".join(log))
-                time.sleep(settle)
-                rss = status_bytes(server.pid, "VmRSS")
-                anonymous = status_bytes(server.pid, "RssAnon")
-                file_backed = status_bytes(server.pid, "RssFile")
-            finally:
-                server.send_signal(signal.SIGTERM)
-                server.communicate(timeout=30)
+            assert server.stderr is not None
+            log = []
+            for raw in server.stderr:
+                log.append(raw.decode(errors="replace"))
+                if LISTED in log[-1]:
+                    break
+            else:
+                raise RuntimeError("the server exited before its first LIST:\n" + "".join(log))
+            time.sleep(settle)
+            rss = status_bytes(server.pid, "VmRSS")
+            anonymous = status_bytes(server.pid, "RssAnon")
+            file_backed = status_bytes(server.pid, "RssFile")
         finally:
-            if cluster.proc.stdout is not None:
-                cluster.stop()
-                cluster.proc.stdout.close()
+            server.send_signal(signal.SIGTERM)
+            server.communicate(timeout=30)
     found = json.loads((work / "idle.json").read_text())
     return IdleServer(
         python=python or sys.executable,

@@ -104,6 +104,10 @@ def _server_rows(
     return rows
 
 
+def _cpus(cpus: list[int]) -> str:
+    return ", ".join(str(cpu) for cpu in cpus)
+
+
 def _latency_cells(row: dict[str, Any]) -> list[str]:
     return [
         f"{row['samples']:,}",
@@ -773,6 +777,7 @@ class Report:
         self.fanout_details()
         self.latency_details()
         self.e2e_details()
+        self.e2e_go_details()
         self.memory_details()
         self.large_details()
         self.ingest_details()
@@ -881,6 +886,38 @@ class Report:
             f"Server CPU {e2e['server_cpu']:.2f} cores, emulator {e2e['cluster_cpu']:.2f}.",
             "",
         )
+
+    def e2e_go_details(self) -> None:
+        e2e_go = self.r.get("e2e_go")
+        if not e2e_go:
+            return
+        placement = e2e_go.get("placement")
+        if isinstance(placement, dict):
+            runs = [
+                (
+                    f"server on CPU {_cpus(placement['server_cpus'])}, emulator and"
+                    f" subscribers on CPU {_cpus(placement['peer_cpus'])}",
+                    e2e_go["jobsignal"],
+                ),
+                ("CPUs shared", e2e_go["shared_cpus"]),
+            ]
+        else:  # one CPU, or a run from before there were two placements
+            runs = [("CPUs shared", e2e_go["jobsignal"])]
+        self.add(
+            "### End to end with Go subscribers",
+            "",
+            f"As above, with {e2e_go['subscribers']} Go subscribers on a connection each"
+            f" ({e2e_go['rate']:g} changes/s), measured with the server on a CPU of its"
+            " own, as beside clients on other machines, and then with every process"
+            " where the kernel puts it.",
+            "",
+        )
+        rows = []
+        for where, run in runs:
+            rows.append([f"{where}: ConfigMap write → subscriber", *_latency_cells(run)])
+            rows.append(["… write → broadcaster.publish", *_latency_cells(run["watch_to_publish"])])
+            rows.append(["… publish to all subscribers", *_latency_cells(run["publish"])])
+        self.table(["Placement and stage", "Samples", "p50 ms", "p99 ms", "max ms"], rows)
 
     def memory_details(self) -> None:
         mem = self.r.get("memory")

@@ -31,7 +31,16 @@ from typing import Any
 from bench import gobuild, machine
 from bench.common import STUBS_ENV, generate_stubs
 from bench.events import make_jobs, signal_fields
-from bench.procs import REPO, Child, ChildError, CpuMeter, cpu_seconds, wait_for
+from bench.procs import (
+    REPO,
+    Child,
+    ChildError,
+    CpuMeter,
+    CpuSplit,
+    cpu_seconds,
+    split_cpus,
+    wait_for,
+)
 
 SERVERS = ("jobsignal", "reference")
 SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.reference_server"}
@@ -256,9 +265,10 @@ class Bench:
         *args: str,
         wait: bool = True,
         executable: Path | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> Child:
-        """Start `python -m module args` (or `executable args`); with `wait`, until
-        it reports ready."""
+        """Start `python -m module args` (or `executable args`), on `cpus` if given;
+        with `wait`, until it reports ready."""
         self._children += 1
         child = Child(
             f"{self._children:03d}-{name}",
@@ -267,6 +277,7 @@ class Bench:
             env=self.env,
             log_dir=self.log_dir,
             executable=executable,
+            cpus=cpus,
         )
         if wait:
             child.wait_ready()
@@ -282,7 +293,9 @@ class Bench:
             for child in reversed(children):
                 child.stop()
 
-    def server(self, children: list[Child], kind: str, *args: str) -> Child:
+    def server(
+        self, children: list[Child], kind: str, *args: str, cpus: frozenset[int] | None = None
+    ) -> Child:
         if kind == "go":
             server = self.child(
                 "go-reference",
@@ -291,9 +304,10 @@ class Bench:
                 str(self.go_jobs_file()),
                 *args,
                 executable=self.go_programs()["reference"],
+                cpus=cpus,
             )
         else:
-            server = self.child(kind, SERVER_MODULES[kind], *args)
+            server = self.child(kind, SERVER_MODULES[kind], *args, cpus=cpus)
         children.append(server)
         return server
 
@@ -318,7 +332,12 @@ class Bench:
         return path
 
     def go_clients(
-        self, children: list[Child], server: Child, count: int, connections: int
+        self,
+        children: list[Child],
+        server: Child,
+        count: int,
+        connections: int,
+        cpus: frozenset[int] | None = None,
     ) -> Child:
         """One Go load generator with `count` subscribers over `connections` (0: one
         each); waits until the server has all of them."""
@@ -335,13 +354,14 @@ class Bench:
             "--sample-every",
             str(self.sizes.go_sample_every),
             executable=self.go_programs()["loadgen"],
+            cpus=cpus,
         )
         children.append(client)
         self.wait_subscribed(server, [client], baseline, count)
         return client
 
-    def cluster(self, children: list[Child]) -> Child:
-        cluster = self.child("cluster", "bench.cluster")
+    def cluster(self, children: list[Child], cpus: frozenset[int] | None = None) -> Child:
+        cluster = self.child("cluster", "bench.cluster", cpus=cpus)
         children.append(cluster)
         return cluster
 
@@ -623,13 +643,23 @@ class Bench:
                     f" p99 {summary['p99_ms']:.2f} ms"
                 )
 
-    def e2e_source(self, children: list[Child]) -> tuple[Child, Child]:
+    def e2e_source(
+        self, children: list[Child], placement: CpuSplit | None = None
+    ) -> tuple[Child, Child]:
         """The end-to-end scenarios' source: the emulated cluster with 64 jobs, and
-        jobsignal watching it."""
-        cluster = self.cluster(children)
+        jobsignal watching it; with `placement`, the server on its own CPU and the
+        emulator on the others."""
+        server_cpus, peer_cpus = placement or (None, None)
+        cluster = self.cluster(children, peer_cpus)
         cluster.request({"cmd": "populate", "count": 64, "servers": 2})
         server = self.server(
-            children, "jobsignal", "--source", "kube", "--kube-url", cluster.ready["url"]
+            children,
+            "jobsignal",
+            "--source",
+            "kube",
+            "--kube-url",
+            cluster.ready["url"],
+            cpus=server_cpus,
         )
         return cluster, server
 
@@ -658,12 +688,40 @@ class Bench:
     def scenario_e2e_go(self) -> None:
         """The e2e scenario with the Go load generator as the subscribers (one
         connection each), so their own decoding does not share the cores with the
-        server: ConfigMap write (its time in `sid`) to arrival, sampled messages."""
-        sizes = self.sizes
+        server: ConfigMap write (its time in `sid`) to arrival, sampled messages.
+
+        Measured twice. First with the server on a CPU of its own and the emulator
+        and the subscribers on the others, as in a cluster, where the clients run on
+        other machines: the headline figure. Then where the kernel puts them: on
+        loopback a socket write wakes its reader on the writer's CPU (the wake-up
+        counts as synchronous), so while `publish` writes to 100 sockets the Go
+        client keeps landing on the server's core and the two take turns on it."""
         self.go_programs()  # a missing Go package fails here, named
+        placement = split_cpus()
+        separate = self.e2e_go_run(placement) if placement else None
+        shared = self.e2e_go_run(None)
+        self.results["e2e_go"] = {
+            "subscribers": self.sizes.e2e_subs,
+            "rate": self.sizes.e2e_rate,
+            "jobsignal": separate or shared,
+            "placement": (
+                {"server_cpus": sorted(placement[0]), "peer_cpus": sorted(placement[1])}
+                if placement
+                else "one CPU: shared"
+            ),
+            "shared_cpus": shared,
+            "run": self.provenance(),
+        }
+
+    def e2e_go_run(self, placement: CpuSplit | None) -> dict[str, Any]:
+        """One `e2e_go` measurement: the server on `placement`'s first CPUs and the
+        emulator and the Go subscribers on its second, or all where the kernel puts them."""
+        sizes = self.sizes
         with self.running() as children:
-            cluster, server = self.e2e_source(children)
-            client = self.go_clients(children, server, sizes.e2e_subs, 0)
+            cluster, server = self.e2e_source(children, placement)
+            client = self.go_clients(
+                children, server, sizes.e2e_subs, 0, placement[1] if placement else None
+            )
             cluster.request({"cmd": "mode", "mode": "churn", "rate": sizes.e2e_rate})
             time.sleep(sizes.warmup)
             self.reset_latencies([client])
@@ -672,22 +730,18 @@ class Bench:
             samples = self.collect_latencies([client])
             lags = server.request({"cmd": "lags"})
             cluster.request({"cmd": "mode", "mode": "idle"})
-            summary = latency_summary(samples)
-            # Where the time goes: the write to publish, and publish to all subscribers.
-            summary["watch_to_publish"] = latency_summary(lags["lags_ns"])
-            summary["publish"] = latency_summary(lags["publish_ns"])
-            self.results["e2e_go"] = {
-                "subscribers": sizes.e2e_subs,
-                "rate": sizes.e2e_rate,
-                "jobsignal": summary,
-                "run": self.provenance(),
-            }
-            self.log(
-                f"  e2e (Go subscribers): p50 {summary['p50_ms']:.2f} ms,"
-                f" p99 {summary['p99_ms']:.2f} ms ({summary['samples']} samples);"
-                f" write to publish p50 {summary['watch_to_publish']['p50_ms']:.2f} ms,"
-                f" publish to all p50 {summary['publish']['p50_ms']:.2f} ms"
-            )
+        summary = latency_summary(samples)
+        # Where the time goes: the write to publish, and publish to all subscribers.
+        summary["watch_to_publish"] = latency_summary(lags["lags_ns"])
+        summary["publish"] = latency_summary(lags["publish_ns"])
+        where = "server on a CPU of its own" if placement else "CPUs shared"
+        self.log(
+            f"  e2e (Go subscribers, {where}): p50 {summary['p50_ms']:.2f} ms,"
+            f" p99 {summary['p99_ms']:.2f} ms ({summary['samples']} samples);"
+            f" write to publish p50 {summary['watch_to_publish']['p50_ms']:.2f} ms,"
+            f" publish to all p50 {summary['publish']['p50_ms']:.2f} ms"
+        )
+        return summary
 
     def scenario_memory(self) -> None:
         results: dict[str, Any] = {}

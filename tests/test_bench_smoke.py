@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,14 @@ def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
             assert row["fairness"]["min"] > 0, (scenario, kind, row["fairness"])
             assert row["latency"]["samples"] > 0, (scenario, kind)
             assert all(cpu >= 0 for cpu in row["loadgen_cpu"]), (scenario, kind)
+    # End to end with Go subscribers: the server on a CPU of its own, then CPUs shared.
+    e2e_go = results["e2e_go"]
+    runs = [e2e_go["jobsignal"], e2e_go["shared_cpus"]]
+    assert all(run["samples"] > 0 and run["publish"]["samples"] > 0 for run in runs)
+    if len(os.sched_getaffinity(0)) > 1:
+        placement = e2e_go["placement"]
+        assert not set(placement["server_cpus"]) & set(placement["peer_cpus"])
+        assert "CPUs shared: ConfigMap write → subscriber" in report
     for section in ("## Machine", "## Targets", "## Where the time goes", "## Method"):
         assert section in report
     if importlib.util.find_spec("matplotlib") is not None:
