@@ -692,10 +692,10 @@ class Bench:
 
         Measured twice. First with the server on a CPU of its own and the emulator
         and the subscribers on the others, as in a cluster, where the clients run on
-        other machines: the headline figure. Then where the kernel puts them: on
-        loopback a socket write wakes its reader on the writer's CPU (the wake-up
-        counts as synchronous), so while `publish` writes to 100 sockets the Go
-        client keeps landing on the server's core and the two take turns on it."""
+        other machines: the headline figure. Then where the kernel puts them, which
+        on two CPUs has the peers that the server's writes wake run on the server's
+        CPU as well, preempting it (bench/FINDINGS.md, "End to end on a CPU of its
+        own")."""
         self.go_programs()  # a missing Go package fails here, named
         placement = split_cpus()
         separate = self.e2e_go_run(placement) if placement else None
