@@ -67,6 +67,9 @@ RESOURCE_EXHAUSTED = 8
 INTERNAL = 13
 # Seconds a refused connection may take to send the request it is refused on.
 REFUSED_CONNECTION_LINGER = 5.0
+# Events after which a stream waiting for window may go on (a tuple: isinstance
+# with `A | B` builds the union anew on every event).
+WINDOW_OPENING_EVENTS = (WindowUpdated, RemoteSettingsChanged)
 
 
 def hard_stream_limit(advertised: int) -> int:
@@ -325,7 +328,7 @@ class ObservedH2Protocol(H2Protocol):
                 if self._handshake_timer is not None:
                     self._handshake_timer.cancel()
                     self._handshake_timer = None
-            window_may_have_opened |= isinstance(event, WindowUpdated | RemoteSettingsChanged)
+            window_may_have_opened |= isinstance(event, WINDOW_OPENING_EVENTS)
             self._process(event)
             if self.connection.is_closing():
                 return
