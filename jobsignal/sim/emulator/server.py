@@ -341,6 +341,10 @@ def _encode(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def _json_headers(body: bytes) -> list[tuple[str, str]]:
+    return [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+
+
 def _event_line(event_type: str, obj: Mapping[str, Any]) -> bytes:
     return _encode({"type": event_type, "object": obj}) + b"\n"
 
@@ -461,13 +465,12 @@ class _Connection:
     async def _send_json(
         self, code: int, obj: Mapping[str, Any], headers: Iterable[tuple[str, str]] = ()
     ) -> None:
-        body = _encode(obj)
-        all_headers = [
-            ("Content-Type", "application/json"),
-            ("Content-Length", str(len(body))),
-            *headers,
-        ]
-        await self._send(h11.Response(status_code=code, headers=all_headers))
+        await self._send_encoded(code, _encode(obj), headers)
+
+    async def _send_encoded(
+        self, code: int, body: bytes, headers: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        await self._send(h11.Response(status_code=code, headers=[*_json_headers(body), *headers]))
         await self._send(h11.Data(data=body))
         await self._send(h11.EndOfMessage())
 
@@ -645,25 +648,17 @@ class _Connection:
         )
         page = await self._list_waiting(options)
         body = _encode(page.to_json())
-        if isinstance(fault, Drop | Stall):
-            await self._send(
-                h11.Response(
-                    status_code=200,
-                    headers=[
-                        ("Content-Type", "application/json"),
-                        ("Content-Length", str(len(body))),
-                    ],
-                )
-            )
-            await self._send(h11.Data(data=body[: len(body) // 2]))
-            if isinstance(fault, Stall):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._watch_for_client_close, nursery.cancel_scope)
-                    await self._stall_until_restart()
-                    nursery.cancel_scope.cancel()
-            raise _Dropped
-        await self._send_json(200, page.to_json())
-        return True
+        if not isinstance(fault, Drop | Stall):
+            await self._send_encoded(200, body)
+            return True
+        await self._send(h11.Response(status_code=200, headers=_json_headers(body)))
+        await self._send(h11.Data(data=body[: len(body) // 2]))
+        if isinstance(fault, Stall):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_for_client_close, nursery.cancel_scope)
+                await self._stall_until_restart()
+                nursery.cancel_scope.cancel()
+        raise _Dropped
 
     async def _list_waiting(self, options: ListOptions) -> ListPage:
         """A list for a version not reached yet waits a little, as the API server does."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import dataclasses
 import json
 import re
@@ -545,6 +546,8 @@ class ConfigMapStore:
         # Every change with a resourceVersion above this one is still in the history.
         self._oldest = initial_resource_version
         self._epoch = 0
+        # (version, objects, keys) of the last snapshot a LIST read: `_objects_at`.
+        self._snapshot: tuple[int, list[ConfigMap], list[tuple[str, str]]] | None = None
         self._changed = trio.Event()
         self._wall_clock = wall_clock
         self._new_uid = new_uid
@@ -742,14 +745,21 @@ class ConfigMapStore:
                 snapshot = requested
             else:
                 snapshot = self._resource_version
-        candidates = [obj for obj in self._objects_at(snapshot) if selector.matches(obj)]
-        if after is not None:
-            candidates = [obj for obj in candidates if obj.key > after]
+        objects, keys = self._objects_at(snapshot)
+        start = 0 if after is None else bisect.bisect_right(keys, after)
+        # One more than a page, to know whether another page follows.
+        wanted = len(objects) if limit is None else limit + 1
+        candidates: list[ConfigMap] = []
+        for index in range(start, len(objects)):
+            if selector.matches(objects[index]):
+                candidates.append(objects[index])
+                if len(candidates) == wanted:
+                    break
         if limit is None or len(candidates) <= limit:
             return ListPage(snapshot, tuple(candidates))
         page = tuple(candidates[:limit])
         # The API server can only count what is left when nothing is filtered out.
-        remaining = len(candidates) - limit if selector.is_everything else None
+        remaining = len(objects) - start - limit if selector.is_everything else None
         return ListPage(snapshot, page, encode_continue(snapshot, page[-1].key), remaining)
 
     def changes_since(self, resource_version: int) -> list[Change]:
@@ -793,8 +803,15 @@ class ConfigMapStore:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _objects_at(self, resource_version: int) -> list[ConfigMap]:
-        """The objects as they were at `resource_version` (which must be retained)."""
+    def _objects_at(self, resource_version: int) -> tuple[list[ConfigMap], list[tuple[str, str]]]:
+        """The objects as they were at `resource_version` (which must be retained), in
+        key order, and their keys.
+
+        Kept for the last version asked: every page of a LIST reads the snapshot
+        its first page did, and what was at a version never changes, so the pages
+        after the first neither rebuild nor sort it."""
+        if self._snapshot is not None and self._snapshot[0] == resource_version:
+            return self._snapshot[1], self._snapshot[2]
         objects = dict(self._objects)
         for change in reversed(self._history):
             if change.resource_version <= resource_version:
@@ -803,7 +820,10 @@ class ConfigMapStore:
                 del objects[change.object.key]
             else:
                 objects[change.previous.key] = change.previous
-        return [obj for _, obj in sorted(objects.items())]
+        keys = sorted(objects)
+        ordered = [objects[key] for key in keys]
+        self._snapshot = (resource_version, ordered, keys)
+        return ordered, keys
 
 
 class Subscription:
