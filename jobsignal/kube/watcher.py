@@ -23,6 +23,7 @@ import trio
 import trio.lowlevel
 
 from jobsignal.backoff import Backoff
+from jobsignal.blocks import background_tasks
 from jobsignal.config import LayerSettings, from_setting
 from jobsignal.kube.api import (
     ApiError,
@@ -97,6 +98,38 @@ class WatchCounters:
 # second argument is when the source saw them (trio's clock), for latency; the
 # third the store's count of live jobs after each (`Changes.live_counts`).
 Publish = Callable[[Sequence[JobSummary], float, Sequence[int]], None]
+
+
+class _PageFetch:
+    """One LIST page asked for in the background. Its `ApiError` is kept and
+    raised by `page()` in the listing task, as itself (not in the nursery's
+    exception group), so the scope's handlers see a 410 or an outage as ever."""
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._page: dict[str, Any] = {}
+        self._error: ApiError | None = None
+
+    @classmethod
+    def start(
+        cls, nursery: trio.Nursery, api: KubeApi, namespace: str | None, params: dict[str, str]
+    ) -> _PageFetch:
+        fetch = cls()
+        nursery.start_soon(fetch._run, api, namespace, params)
+        return fetch
+
+    async def _run(self, api: KubeApi, namespace: str | None, params: dict[str, str]) -> None:
+        try:
+            self._page = await api.list_page(namespace, params)
+        except ApiError as error:
+            self._error = error
+        self._done.set()
+
+    async def page(self) -> dict[str, Any]:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._page
 
 
 class Watcher:
@@ -187,21 +220,28 @@ class Watcher:
         relist = self._store.relist(namespace)
         params = {**self._selector(), "limit": str(self._settings.page_size)}
         listed = work = 0
-        while True:
-            page = await self._api.list_page(namespace, params)
-            for item in page.get("items", []):
-                if not isinstance(item, dict):
-                    continue
-                listed += 1
-                work += relist.add(item)
-                if work >= PARSE_SLICE:
-                    work = 0
-                    await trio.lowlevel.checkpoint()
-            metadata = _mapping(page.get("metadata"))
-            token = metadata.get("continue")
-            if not token:
-                break
-            params = {**params, "continue": str(token)}
+        async with background_tasks() as nursery:
+            fetch = _PageFetch.start(nursery, self._api, namespace, params)
+            while True:
+                page = await fetch.page()
+                metadata = _mapping(page.get("metadata"))
+                token = metadata.get("continue")
+                if token:
+                    # Ask for the next page before parsing this one: the API
+                    # server makes it while this task parses (docs/architecture.md
+                    # section 5, "Paging").
+                    params = {**params, "continue": str(token)}
+                    fetch = _PageFetch.start(nursery, self._api, namespace, params)
+                for item in page.get("items", []):
+                    if not isinstance(item, dict):
+                        continue
+                    listed += 1
+                    work += relist.add(item)
+                    if work >= PARSE_SLICE:
+                        work = 0
+                        await trio.lowlevel.checkpoint()
+                if not token:
+                    break
         version = str(metadata.get("resourceVersion") or "")
         if not version:
             raise BadResponse("LIST response has no metadata.resourceVersion")
