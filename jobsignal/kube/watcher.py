@@ -111,14 +111,25 @@ class _PageFetch:
         self._error: ApiError | None = None
 
     @classmethod
-    def start(
+    async def start(
         cls, nursery: trio.Nursery, api: KubeApi, namespace: str | None, params: dict[str, str]
     ) -> _PageFetch:
+        """Ask for the page; returns once the request is under way."""
         fetch = cls()
-        nursery.start_soon(fetch._run, api, namespace, params)
+        await nursery.start(fetch._run, api, namespace, params)
         return fetch
 
-    async def _run(self, api: KubeApi, namespace: str | None, params: dict[str, str]) -> None:
+    async def _run(
+        self,
+        api: KubeApi,
+        namespace: str | None,
+        params: dict[str, str],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        # `started` only wakes the listing task; this one runs on into the
+        # request until the request first waits.
+        task_status.started()
         try:
             self._page = await api.list_page(namespace, params)
         except ApiError as error:
@@ -221,7 +232,7 @@ class Watcher:
         params = {**self._selector(), "limit": str(self._settings.page_size)}
         listed = work = 0
         async with background_tasks() as nursery:
-            fetch = _PageFetch.start(nursery, self._api, namespace, params)
+            fetch = await _PageFetch.start(nursery, self._api, namespace, params)
             while True:
                 page = await fetch.page()
                 metadata = _mapping(page.get("metadata"))
@@ -231,7 +242,7 @@ class Watcher:
                     # server makes it while this task parses (docs/architecture.md
                     # section 5, "Paging").
                     params = {**params, "continue": str(token)}
-                    fetch = _PageFetch.start(nursery, self._api, namespace, params)
+                    fetch = await _PageFetch.start(nursery, self._api, namespace, params)
                 for item in page.get("items", []):
                     if not isinstance(item, dict):
                         continue
