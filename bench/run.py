@@ -1113,6 +1113,7 @@ class Bench:
         return {
             "commit": described.get("commit"),
             "dirty_jobsignal_files": described.get("dirty_jobsignal_files", []),
+            "cpu_model": described.get("cpu_model"),
             "load_average": machine.load_average(),
         }
 
