@@ -11,6 +11,7 @@ import json
 import pstats
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,15 @@ def summarize_speedscope(path: Path, top: int = 15) -> ProfileSummary:
     return ProfileSummary(
         "py-spy",
         int(total),
-        [(name, count / total) for name, count in own.most_common(top)],
-        [(name, count / total) for name, count in inclusive.most_common(top * 2)],
+        [(name, count / total) for name, count in _largest(own, top)],
+        [(name, count / total) for name, count in _largest(inclusive, top * 2)],
     )
+
+
+def _largest(counts: Mapping[str, float], top: int) -> list[tuple[str, float]]:
+    """The `top` largest counts, ties by name, so a report reads the same when
+    regenerated (the order frames were counted in follows set iteration)."""
+    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top]
 
 
 def summarize_cprofile(path: Path, top: int = 15) -> ProfileSummary:
