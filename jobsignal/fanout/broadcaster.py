@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +32,7 @@ import trio
 
 from jobsignal.config import DEFAULTS, Config
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
+from jobsignal.fanout.pacing import FanOutPacer, Groups
 from jobsignal.fanout.stats import FanoutStats
 from jobsignal.fanout.subscriber import (
     UNIQUE,
@@ -139,9 +140,13 @@ class Broadcaster:
         self._dropped: dict[JobKey, JobSummary] = {}
         self._signal_subscribers: set[Subscriber] = set()
         self._list_subscribers: set[Subscriber] = set()
+        # Each kind's subscribers grouped by connection, made anew after a change.
+        self._groups: dict[StreamKind, Groups] = {}
         # In-process consumers (jobsignal.watch_jobs, RunningJobsignal.open_subscription).
         self._event_queues: set[EventQueue] = set()
         self.stats = stats or FanoutStats()
+        # Spreads a large fan-out over loop turns once its task runs (the gRPC server starts it).
+        self.pacer = FanOutPacer(self.stats, max_pending=max_pending)
         self._faults = RateLimitedLog(log)
 
     @classmethod
@@ -163,6 +168,16 @@ class Broadcaster:
 
     def _set_of(self, kind: StreamKind) -> set[Subscriber]:
         return self._signal_subscribers if kind is StreamKind.SIGNAL else self._list_subscribers
+
+    def _groups_of(self, kind: StreamKind) -> Groups:
+        groups = self._groups.get(kind)
+        if groups is None:
+            by_group: dict[Hashable, list[Subscriber]] = {}
+            for subscriber in self._set_of(kind):
+                key = subscriber if subscriber.group is None else subscriber.group
+                by_group.setdefault(key, []).append(subscriber)
+            groups = self._groups[kind] = [tuple(group) for group in by_group.values()]
+        return groups
 
     def job_count(self) -> int:
         """Live jobs, as snapshots count them (JobTotalNum)."""
@@ -195,7 +210,7 @@ class Broadcaster:
         """
         if seen_at is None:
             seen_at = trio.current_time()
-        stats = self.stats
+        stats, pacer = self.stats, self.pacer
         own_record, encoded, dropped = self._own_record, self._encoded, self._dropped
         counts = iter(live_counts) if live_counts is not None else None
         for index, job in enumerate(jobs):
@@ -220,17 +235,16 @@ class Broadcaster:
             direct = index == 0
             try:
                 signal = self._signal(event)
-                entry: QueueEntry = (key, signal, seen_at)
-                for subscriber in self._signal_subscribers:
-                    subscriber.push_entry(entry, direct=direct)
+                if self._signal_subscribers:
+                    groups = self._groups_of(StreamKind.SIGNAL)
+                    pacer.deliver((key, signal, seen_at), groups, direct=direct)
                 if self._list_subscribers:
                     if live_count is None:
                         live_count = self._jobs.live_job_count()
                     total = live_count - len(dropped)
                     as_list = encode_signal_list([signal], self._now_ms(), total)
-                    entry = (key, as_list, seen_at)
-                    for subscriber in self._list_subscribers:
-                        subscriber.push_entry(entry, direct=direct)
+                    groups = self._groups_of(StreamKind.LIST)
+                    pacer.deliver((key, as_list, seen_at), groups, direct=direct)
             except Exception:
                 self._drop(key, event, "publish")
                 continue
@@ -239,9 +253,16 @@ class Broadcaster:
     # -- subscriptions -----------------------------------------------------
 
     def subscribe(
-        self, kind: StreamKind, role: str, client_id: str, *, snapshot: bool
+        self,
+        kind: StreamKind,
+        role: str,
+        client_id: str,
+        *,
+        snapshot: bool,
+        group: Hashable = None,
     ) -> Subscriber:
-        """A new subscriber, its queue primed with the snapshot it is owed."""
+        """A new subscriber, its queue primed with the snapshot it is owed; `group`
+        names what it shares its writes with (its connection), if anything."""
         subscriber = Subscriber(
             kind,
             role,
@@ -249,6 +270,7 @@ class Broadcaster:
             max_pending=self._max_pending,
             max_pending_bytes=self._max_pending_bytes,
             stats=self.stats,
+            group=group,
         )
         if kind is StreamKind.LIST:
             subscriber.prime([(UNIQUE, batch, None) for batch in self.snapshot_batches()])
@@ -260,10 +282,12 @@ class Broadcaster:
                     owed.append((key, signal, None))
             subscriber.prime(owed)
         self._set_of(kind).add(subscriber)
+        self._groups.pop(kind, None)
         return subscriber
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self._set_of(subscriber.kind).discard(subscriber)
+        self._groups.pop(subscriber.kind, None)
 
     def subscribe_events(self, *, snapshot: bool) -> EventQueue:
         """A queue of job events for an in-process consumer, with the same

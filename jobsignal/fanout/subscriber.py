@@ -309,7 +309,7 @@ class BoundedQueue(Generic[P]):
 class Subscriber(BoundedQueue[bytes]):
     """The queue of one gRPC subscription stream: encoded messages."""
 
-    __slots__ = ("client_id", "kind", "role")
+    __slots__ = ("client_id", "group", "kind", "role")
 
     def __init__(
         self,
@@ -320,11 +320,15 @@ class Subscriber(BoundedQueue[bytes]):
         max_pending: int,
         max_pending_bytes: int,
         stats: FanoutStats,
+        group: Hashable = None,
     ) -> None:
         super().__init__(max_pending=max_pending, max_pending_bytes=max_pending_bytes, stats=stats)
         self.kind = kind
         self.role = role
         self.client_id = client_id
+        # What it shares its writes with (its connection; None: nothing), so a
+        # fan-out serves the subscribers of one group together (fanout/pacing.py).
+        self.group = group
 
 
 #: What an in-process event costs a queue beyond its rank table: the other

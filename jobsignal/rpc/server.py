@@ -167,6 +167,7 @@ async def run_grpc_server(
             readers = socket_readers.SharedReaders(loop)
             readers.install()
             await nursery.start(readers.run)
+        await nursery.start(broadcaster.pacer.run)
         service.serve_sessions_with(
             await nursery.start(Sessions(registry, broadcaster, settings.session).run)
         )

@@ -327,6 +327,7 @@ class Session:
             request.role,
             request.client_id,
             snapshot=request.role in settings.snapshot_roles,
+            group=request.activity,  # one per connection
         )
         self.idle = IdleDeadline(settings.idle_timeout)
         request.activity.heartbeat_listeners.add(self.idle.touch)
