@@ -1,7 +1,8 @@
 """Broadcaster: turns job events into encoded messages and fans them out.
 
 `publish()` is synchronous and never waits: it encodes each event once per
-message type and pushes the same bytes into every subscriber's queue.
+message type and pushes the same bytes into every subscriber's queue, through
+the pacer (`fanout/pacing.py`), which spreads a large fan-out over loop turns.
 Subscribing and taking the snapshot happen in one synchronous step, so no
 event can fall between the snapshot and the live stream.
 
@@ -202,7 +203,8 @@ class Broadcaster:
         without it, the owner's count now.
 
         The hot loop: one encoding and one shared queue entry per event and
-        message type, then a plain append per subscriber. Only the first event
+        message type, handed to every subscriber by the pacer (at once, or a
+        slice per loop turn while its task runs: fanout/pacing.py). Only the first event
         may go out from here to parked subscribers (`BoundedQueue.push_entry`):
         the rest of a burst (a relist step) queues behind it, so each
         subscriber's task sends it as one batch in its own loop turn instead of
