@@ -11,7 +11,11 @@ further behind (grpc-go only grows a window when the round trip is short).
 per loop turn, a connection's subscribers together (their messages share one
 system call), and the rest from its own task in the turns that follow, with
 the loop's input handled in between. Events go out in publish order: one
-published while an earlier one is still going out waits behind it.
+published while an earlier one is still going out waits behind it, and one
+that waits replaces an older waiting event of the same job that has reached
+nobody yet (every message carries its job's whole state, so the newest is
+enough: docs/architecture.md section 6). So a publisher faster than the
+fan-out costs at most one waiting event per job, not a growing backlog.
 
 Without its task running (a broadcaster used by hand), every event goes out
 at once, as before. Subscribers' own queues keep bounding each one's backlog;
@@ -22,13 +26,13 @@ at once, queued rather than sent directly, when it would hold more.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import trio
 
 from jobsignal.fanout.stats import FanoutStats
-from jobsignal.fanout.subscriber import QueueEntry, Subscriber
+from jobsignal.fanout.subscriber import UNIQUE, QueueEntry, Subscriber
 from jobsignal.fifo import Fifo
 from jobsignal.logs import RateLimitedLog
 
@@ -52,12 +56,21 @@ class _FanOut:
     direct: bool
     groups: Groups
     next_group: int = 0
+    superseded: bool = False
 
 
 class FanOutPacer:
     """Delivers events to subscribers a slice per loop turn, in publish order."""
 
-    __slots__ = ("_max_pending", "_pending", "_running", "_stats", "_wakeup", "slice_subscribers")
+    __slots__ = (
+        "_max_pending",
+        "_pending",
+        "_running",
+        "_stats",
+        "_unstarted",
+        "_wakeup",
+        "slice_subscribers",
+    )
 
     def __init__(
         self,
@@ -70,6 +83,9 @@ class FanOutPacer:
         self._max_pending = max_pending
         self.slice_subscribers = slice_subscribers
         self._pending: Fifo[_FanOut] = Fifo()
+        # Waiting events that have reached nobody yet, by job key and subscriber
+        # groups (the broadcaster's groups object, the same while nobody subscribes or leaves).
+        self._unstarted: dict[tuple[Hashable, int], _FanOut] = {}
         self._running = False
         self._wakeup: trio.Event | None = None
 
@@ -82,17 +98,15 @@ class FanOutPacer:
         """Hand `entry` to every subscriber of `groups` (each `push_entry(entry,
         direct=direct)`): the first slice now, unless earlier events are still
         going out, the rest from `run`."""
+        fan_out = _FanOut(entry, direct, groups)
         if not self._running:
-            _push(entry, direct, groups, 0, len(groups))
+            _push([fan_out], groups, 0, len(groups))
             return
-        waiting = bool(self._pending)
-        self._pending.append(_FanOut(entry, direct, groups))
-        if len(self._pending) > self._max_pending:
-            # Overloaded: the oldest goes into the subscribers' bounded queues now.
-            oldest = self._pending.popleft()
-            self._guarded(oldest.entry, False, oldest.groups, oldest.next_group, None)
-        if not waiting:
+        if not self._pending:
+            self._pending.append(fan_out)
             self._slice()
+        else:
+            self._wait(fan_out)
         if self._pending and self._wakeup is not None:
             self._wakeup.set()
 
@@ -112,44 +126,85 @@ class FanOutPacer:
                 self._slice()
         finally:
             self._running = False
+            self._unstarted.clear()
             while self._pending:
                 rest = self._pending.popleft()
-                self._guarded(rest.entry, rest.direct, rest.groups, rest.next_group, None)
+                if not rest.superseded:
+                    self._guarded([rest], rest.groups, rest.next_group, len(rest.groups))
+
+    def _wait(self, fan_out: _FanOut) -> None:
+        """Queue `fan_out` behind the events still going out, in place of an older
+        waiting one of its job."""
+        if fan_out.entry[0] is not UNIQUE:
+            key = (fan_out.entry[0], id(fan_out.groups))
+            older = self._unstarted.get(key)
+            if older is not None:
+                older.superseded = True
+                fan_out.direct |= older.direct
+                self._stats.coalesced += sum(len(group) for group in older.groups)
+            self._unstarted[key] = fan_out
+        self._pending.append(fan_out)
+        if len(self._pending) > self._max_pending:
+            # Still too many (that many jobs changing at once): the oldest goes
+            # into the subscribers' bounded, coalescing queues now.
+            oldest = self._pending.popleft()
+            self._started(oldest)
+            if not oldest.superseded:
+                oldest.direct = False
+                self._guarded([oldest], oldest.groups, oldest.next_group, len(oldest.groups))
+
+    def _started(self, fan_out: _FanOut) -> None:
+        """`fan_out` reaches someone now: nothing may replace it any more."""
+        if fan_out.next_group == 0 and fan_out.entry[0] is not UNIQUE:
+            key = (fan_out.entry[0], id(fan_out.groups))
+            if self._unstarted.get(key) is fan_out:
+                del self._unstarted[key]
 
     def _slice(self) -> None:
-        """About `slice_subscribers` deliveries, whole groups, from the oldest event on."""
+        """About `slice_subscribers` deliveries, whole groups, from the oldest event
+        on; the events waiting behind it that have reached the same subscribers
+        go with it (a subscriber's messages of one turn share its writes, as when
+        `publish` sent them all at once)."""
         budget = self.slice_subscribers
         pending = self._pending
-        while pending and budget > 0:
-            fan_out = pending[0]
-            groups, start = fan_out.groups, fan_out.next_group
+        while True:
+            while pending and (pending[0].superseded or _reached_all(pending[0])):
+                pending.popleft()
+            if not pending or budget <= 0:
+                return
+            head = pending[0]
+            groups, start = head.groups, head.next_group
+            batch: list[_FanOut] = []
+            for later in pending:
+                if later.groups is not groups or later.next_group != start:
+                    break
+                if not later.superseded:
+                    batch.append(later)
             end = start
             while end < len(groups) and budget > 0:
-                budget -= len(groups[end])
+                budget -= len(groups[end]) * len(batch)
                 end += 1
-            fan_out.next_group = end
-            if end == len(groups):
-                pending.popleft()
-            self._guarded(fan_out.entry, fan_out.direct, groups, start, end)
+            for fan_out in batch:
+                self._started(fan_out)
+                fan_out.next_group = end
+            self._guarded(batch, groups, start, end)
 
-    def _guarded(
-        self,
-        entry: QueueEntry,
-        direct: bool,
-        groups: Groups,
-        start: int,
-        end: int | None,
-    ) -> None:
+    def _guarded(self, batch: list[_FanOut], groups: Groups, start: int, end: int) -> None:
         # A fault boundary, as the publish loop is: a bug in one delivery costs
-        # this event for the rest of these groups, never the pacer's task.
+        # these events for the rest of these groups, never the pacer's task.
         try:
-            _push(entry, direct, groups, start, len(groups) if end is None else end)
+            _push(batch, groups, start, end)
         except Exception:
-            self._stats.events_dropped["fan_out"] += 1
+            self._stats.events_dropped["fan_out"] += len(batch)
             _faults.error("fan_out", "delivering a job event failed", exc_info=True)
 
 
-def _push(entry: QueueEntry, direct: bool, groups: Groups, start: int, end: int) -> None:
+def _reached_all(fan_out: _FanOut) -> bool:
+    return fan_out.next_group == len(fan_out.groups)
+
+
+def _push(batch: list[_FanOut], groups: Groups, start: int, end: int) -> None:
     for index in range(start, end):
         for subscriber in groups[index]:
-            subscriber.push_entry(entry, direct=direct)
+            for fan_out in batch:
+                subscriber.push_entry(fan_out.entry, direct=fan_out.direct)

@@ -29,8 +29,9 @@ def groups_of(count: int, size: int) -> list[tuple[Subscriber, ...]]:
     return [tuple(subscriber(f"{g}-{i}") for i in range(size)) for g in range(count)]
 
 
-def entry(name: str) -> QueueEntry:
-    return (name, name.encode(), None)
+def entry(name: str, job: str | None = None) -> QueueEntry:
+    """A message `name` about job `job` (its own job unless named)."""
+    return (job or name, name.encode(), None)
 
 
 def received(group: tuple[Subscriber, ...]) -> list[int]:
@@ -57,12 +58,14 @@ class RecordingPacer(FanOutPacer):
         super().__init__(FanoutStats(), **kwargs)
         self.groups = groups
         self.served: list[tuple[int, int]] = []
+        self.queued: list[list[int]] = []  # after each slice: every subscriber's queue length
         self.turns = 0
 
     def _slice(self) -> None:
         super()._slice()
         complete = sum(1 for group in self.groups if received(group) == [1] * len(group))
         self.served.append((complete, self.turns))
+        self.queued.append([member.pending for group in self.groups for member in group])
 
 
 async def test_one_slice_per_turn_in_whole_groups() -> None:
@@ -96,6 +99,44 @@ async def test_a_later_event_waits_behind_an_earlier_one() -> None:
     for group in groups:
         for member in group:
             assert member.take(10)[0] == [b"a", b"b"]
+
+
+async def test_a_waiting_event_replaces_an_older_waiting_one_of_its_job() -> None:
+    stats = FanoutStats()
+    pacer = FanOutPacer(stats, max_pending=8, slice_subscribers=1)
+    groups = groups_of(3, 1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        pacer.deliver(entry("a1", "a"), groups, direct=True)  # under way: kept
+        pacer.deliver(entry("a2", "a"), groups, direct=True)  # waits
+        pacer.deliver(entry("b1", "b"), groups, direct=True)
+        pacer.deliver(entry("a3", "a"), groups, direct=True)  # replaces a2, reached by nobody
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert [member.take(10)[0] for (member,) in groups] == [[b"a1", b"b1", b"a3"]] * 3
+    assert stats.coalesced == 3
+
+
+async def test_events_that_reached_the_same_subscribers_go_out_together() -> None:
+    groups = groups_of(4, 1)
+    pacer = RecordingPacer(groups, max_pending=8, slice_subscribers=2)  # two deliveries a turn
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        pacer.deliver(entry("x"), groups, direct=True)  # to the first two now
+        pacer.deliver(entry("y"), groups, direct=True)
+        pacer.deliver(entry("z"), groups, direct=True)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    # x reached the last two; then y and z together, one subscriber per turn.
+    assert pacer.queued == [
+        [1, 1, 0, 0],
+        [1, 1, 1, 1],
+        [3, 1, 1, 1],
+        [3, 3, 1, 1],
+        [3, 3, 3, 1],
+        [3, 3, 3, 3],
+    ]
+    assert [member.take(10)[0] for (member,) in groups] == [[b"x", b"y", b"z"]] * 4
 
 
 async def test_the_oldest_event_goes_out_at_once_past_the_bound() -> None:
