@@ -7,10 +7,10 @@ WINDOW_UPDATEs and PINGs wait behind it, so a connection whose HTTP/2 window
 is small gets one window per publish while one with a large window takes
 every message, and once the server is overloaded the first kind falls ever
 further behind (grpc-go only grows a window when the round trip is short).
-`FanOutPacer` delivers one event to at most `SLICE_SUBSCRIBERS` subscribers
-per loop turn, a connection's subscribers together (their messages share one
-system call), and the rest from its own task in the turns that follow, with
-the loop's input handled in between. Events go out in publish order: one
+`FanOutPacer` makes at most about `SLICE_DELIVERIES` deliveries per loop
+turn, a connection's subscribers together (their messages share one system
+call), and the rest from its own task in the turns that follow, with the
+loop's input handled in between. Events go out in publish order: one
 published while an earlier one is still going out waits behind it, and one
 that waits replaces an older waiting event of the same job that has reached
 nobody yet (every message carries its job's whole state, so the newest is
@@ -39,10 +39,10 @@ from jobsignal.logs import RateLimitedLog
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)
 
-# Subscribers one event reaches per loop turn (rounded up to a whole
-# connection): about 1 to 2.5 ms of deliveries, so a fan-out to a hundred
+# Deliveries (subscribers times the events going out together) per loop turn,
+# rounded up to a whole connection: about 1 to 2.5 ms, so one event to a hundred
 # subscribers (issue 10's end-to-end case) still goes out in the publish itself.
-SLICE_SUBSCRIBERS = 128
+SLICE_DELIVERIES = 128
 
 #: Subscribers grouped by connection, in the order they are served.
 Groups = Sequence[Sequence[Subscriber]]
@@ -69,7 +69,7 @@ class FanOutPacer:
         "_stats",
         "_unstarted",
         "_wakeup",
-        "slice_subscribers",
+        "slice_deliveries",
     )
 
     def __init__(
@@ -77,11 +77,11 @@ class FanOutPacer:
         stats: FanoutStats,
         *,
         max_pending: int,
-        slice_subscribers: int = SLICE_SUBSCRIBERS,
+        slice_deliveries: int = SLICE_DELIVERIES,
     ) -> None:
         self._stats = stats
         self._max_pending = max_pending
-        self.slice_subscribers = slice_subscribers
+        self.slice_deliveries = slice_deliveries
         self._pending: Fifo[_FanOut] = Fifo()
         # Waiting events that have reached nobody yet, by job key and subscriber
         # groups (the broadcaster's groups object, the same while nobody subscribes or leaves).
@@ -161,11 +161,11 @@ class FanOutPacer:
                 del self._unstarted[key]
 
     def _slice(self) -> None:
-        """About `slice_subscribers` deliveries, whole groups, from the oldest event
+        """About `slice_deliveries` deliveries, whole groups, from the oldest event
         on; the events waiting behind it that have reached the same subscribers
         go with it (a subscriber's messages of one turn share its writes, as when
         `publish` sent them all at once)."""
-        budget = self.slice_subscribers
+        budget = self.slice_deliveries
         pending = self._pending
         while True:
             while pending and (pending[0].superseded or _reached_all(pending[0])):

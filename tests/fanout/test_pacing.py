@@ -44,7 +44,7 @@ class Failing(Subscriber):
 
 
 async def test_without_its_task_everything_goes_out_at_once() -> None:
-    pacer = FanOutPacer(FanoutStats(), max_pending=8, slice_subscribers=10)
+    pacer = FanOutPacer(FanoutStats(), max_pending=8, slice_deliveries=10)
     groups = groups_of(10, 5)
     pacer.deliver(entry("a"), groups, direct=True)
     assert all(received(group) == [1] * 5 for group in groups)
@@ -70,7 +70,7 @@ class RecordingPacer(FanOutPacer):
 
 async def test_one_slice_per_turn_in_whole_groups() -> None:
     groups = groups_of(9, 4)  # a slice: three groups (12 subscribers, never part of one)
-    pacer = RecordingPacer(groups, max_pending=8, slice_subscribers=10)
+    pacer = RecordingPacer(groups, max_pending=8, slice_deliveries=10)
     async with trio.open_nursery() as nursery:
         await nursery.start(pacer.run)
         pacer.deliver(entry("a"), groups, direct=True)
@@ -86,7 +86,7 @@ async def test_one_slice_per_turn_in_whole_groups() -> None:
 
 
 async def test_a_later_event_waits_behind_an_earlier_one() -> None:
-    pacer = FanOutPacer(FanoutStats(), max_pending=8, slice_subscribers=4)
+    pacer = FanOutPacer(FanoutStats(), max_pending=8, slice_deliveries=4)
     groups = groups_of(6, 2)
     async with trio.open_nursery() as nursery:
         await nursery.start(pacer.run)
@@ -103,7 +103,7 @@ async def test_a_later_event_waits_behind_an_earlier_one() -> None:
 
 async def test_a_waiting_event_replaces_an_older_waiting_one_of_its_job() -> None:
     stats = FanoutStats()
-    pacer = FanOutPacer(stats, max_pending=8, slice_subscribers=1)
+    pacer = FanOutPacer(stats, max_pending=8, slice_deliveries=1)
     groups = groups_of(3, 1)
     async with trio.open_nursery() as nursery:
         await nursery.start(pacer.run)
@@ -119,7 +119,7 @@ async def test_a_waiting_event_replaces_an_older_waiting_one_of_its_job() -> Non
 
 async def test_events_that_reached_the_same_subscribers_go_out_together() -> None:
     groups = groups_of(4, 1)
-    pacer = RecordingPacer(groups, max_pending=8, slice_subscribers=2)  # two deliveries a turn
+    pacer = RecordingPacer(groups, max_pending=8, slice_deliveries=2)  # two deliveries a turn
     async with trio.open_nursery() as nursery:
         await nursery.start(pacer.run)
         pacer.deliver(entry("x"), groups, direct=True)  # to the first two now
@@ -140,7 +140,7 @@ async def test_events_that_reached_the_same_subscribers_go_out_together() -> Non
 
 
 async def test_the_oldest_event_goes_out_at_once_past_the_bound() -> None:
-    pacer = FanOutPacer(FanoutStats(), max_pending=2, slice_subscribers=1)
+    pacer = FanOutPacer(FanoutStats(), max_pending=2, slice_deliveries=1)
     groups = groups_of(3, 1)
     async with trio.open_nursery() as nursery:
         await nursery.start(pacer.run)
@@ -153,7 +153,7 @@ async def test_the_oldest_event_goes_out_at_once_past_the_bound() -> None:
 
 
 async def test_what_is_pending_when_the_task_stops_goes_out() -> None:
-    pacer = FanOutPacer(FanoutStats(), max_pending=8, slice_subscribers=1)
+    pacer = FanOutPacer(FanoutStats(), max_pending=8, slice_deliveries=1)
     groups = groups_of(5, 1)
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
@@ -167,7 +167,7 @@ async def test_what_is_pending_when_the_task_stops_goes_out() -> None:
 
 async def test_a_failing_delivery_costs_only_its_slice() -> None:
     stats = FanoutStats()
-    pacer = FanOutPacer(stats, max_pending=8, slice_subscribers=1)
+    pacer = FanOutPacer(stats, max_pending=8, slice_deliveries=1)
     broken = Failing(
         StreamKind.SIGNAL, "CCAgent", "x", max_pending=8, max_pending_bytes=2**20, stats=stats
     )
@@ -185,7 +185,7 @@ async def test_a_failing_delivery_costs_only_its_slice() -> None:
 @pytest.mark.parametrize("running", [False, True])
 async def test_the_broadcaster_serves_a_connection_s_subscribers_together(running: bool) -> None:
     broadcaster = Broadcaster()
-    broadcaster.pacer.slice_subscribers = 3
+    broadcaster.pacer.slice_deliveries = 3
     connections = [object() for _ in range(4)]
     subscribers = [
         broadcaster.subscribe(
