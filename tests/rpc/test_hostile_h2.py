@@ -12,6 +12,7 @@ a test do: ignore SETTINGS, reset streams before they start, never read.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import socket
@@ -690,6 +691,26 @@ async def test_streams_waiting_on_one_connection_window_are_served_in_turn() -> 
         got = {s: _data_on(peer, s) - start[s] for s in start}
         # Served in turn, 16 KiB a round: about half each (one stream first would get it all).
         assert min(got.values()) >= 96 * 1024, got
+
+
+async def test_a_connection_s_subscribers_are_one_group_of_the_fan_out() -> None:
+    """The pacer serves a connection's subscribers together (fanout/pacing.py): each
+    session subscribes with its connection as the group, one group per connection."""
+    async with (
+        open_jobsignal_server() as server,
+        raw_peer(server.port) as first,
+        raw_peer(server.port) as second,
+    ):
+        await first.handshake()
+        await second.handshake()
+        ids = [await first.register(stream_id) for stream_id in (1, 3)]
+        for stream_id, client_id in zip((5, 7), ids, strict=True):
+            await first.subscribe(stream_id, "CCAgent", client_id)
+        await second.subscribe(3, "CCAgent", await second.register(1))
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 3, within=WAIT)
+        sizes = collections.Counter(s.group for s in server.broadcaster.subscribers)
+    assert None not in sizes
+    assert sorted(sizes.values()) == [1, 2]
 
 
 # -- PING ACKs (rpc/output.py, LateFlusher) -----------------------------------------------
