@@ -128,15 +128,13 @@ class FanOutPacer:
             self._running = False
             self._unstarted.clear()
             while self._pending:
-                rest = self._pending.popleft()
-                if not rest.superseded:
-                    self._guarded([rest], rest.groups, rest.next_group, len(rest.groups))
+                self._finish_now(self._pending.popleft(), direct=None)
 
     def _wait(self, fan_out: _FanOut) -> None:
         """Queue `fan_out` behind the events still going out, in place of an older
         waiting one of its job."""
-        if fan_out.entry[0] is not UNIQUE:
-            key = (fan_out.entry[0], id(fan_out.groups))
+        key = _replacement_key(fan_out)
+        if key is not None:
             older = self._unstarted.get(key)
             if older is not None:
                 older.superseded = True
@@ -149,16 +147,22 @@ class FanOutPacer:
             # into the subscribers' bounded, coalescing queues now.
             oldest = self._pending.popleft()
             self._started(oldest)
-            if not oldest.superseded:
-                oldest.direct = False
-                self._guarded([oldest], oldest.groups, oldest.next_group, len(oldest.groups))
+            self._finish_now(oldest, direct=False)
+
+    def _finish_now(self, fan_out: _FanOut, *, direct: bool | None) -> None:
+        """Hand `fan_out` to every subscriber it has not reached yet, now (`direct`:
+        whether to offer it to their sinks; None: as published), unless replaced."""
+        if fan_out.superseded:
+            return
+        if direct is not None:
+            fan_out.direct = direct
+        self._guarded([fan_out], fan_out.groups, fan_out.next_group, len(fan_out.groups))
 
     def _started(self, fan_out: _FanOut) -> None:
         """`fan_out` reaches someone now: nothing may replace it any more."""
-        if fan_out.next_group == 0 and fan_out.entry[0] is not UNIQUE:
-            key = (fan_out.entry[0], id(fan_out.groups))
-            if self._unstarted.get(key) is fan_out:
-                del self._unstarted[key]
+        key = _replacement_key(fan_out) if fan_out.next_group == 0 else None
+        if key is not None and self._unstarted.get(key) is fan_out:
+            del self._unstarted[key]
 
     def _slice(self) -> None:
         """About `slice_deliveries` deliveries, whole groups, from the oldest event
@@ -197,6 +201,13 @@ class FanOutPacer:
         except Exception:
             self._stats.events_dropped["fan_out"] += len(batch)
             _faults.error("fan_out", "delivering a job event failed", exc_info=True)
+
+
+def _replacement_key(fan_out: _FanOut) -> tuple[Hashable, int] | None:
+    """What a later event of the same job, for the same subscribers, is found by
+    (None: an entry of no job, which nothing replaces)."""
+    job = fan_out.entry[0]
+    return None if job is UNIQUE else (job, id(fan_out.groups))
 
 
 def _reached_all(fan_out: _FanOut) -> bool:
