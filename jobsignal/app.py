@@ -26,6 +26,7 @@ import trio
 from jobsignal.config import Config, ConfigError
 from jobsignal.events import JobEvents
 from jobsignal.fanout import Broadcaster
+from jobsignal.heap import release_free_memory
 from jobsignal.kube.api import KubeApi, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.watcher import Watcher, WatchSettings
@@ -215,16 +216,23 @@ def metric_sources(
     )
 
 
-async def _freeze_after_first_list(status: SourceStatus) -> None:
-    """Move everything alive after start-up and the first LIST out of the GC's way.
+async def _settle_memory_after_lists(status: SourceStatus) -> None:
+    """Tidy the process's memory once the first LIST is loaded, and after every LIST.
 
-    Those objects (modules, the job store's slices) live for the whole run;
-    without this every full collection walks them again, a cost that grows
-    with the number of subscribers' queue entries it has to wade through.
+    The objects alive after start-up and the first LIST (modules, the job
+    store's slices) live for the whole run: `gc.freeze()` moves them out of
+    the collector's way, so full collections do not walk them again, a cost
+    that grows with the subscribers' queue entries. A LIST's parsing leaves
+    its peak in the C heap: `release_free_memory` gives those pages back
+    after each one (docs/architecture.md section 10, "Supported Pythons and
+    dependencies").
     """
     await status.ready.wait()
     gc.collect()
     gc.freeze()
+    while True:
+        release_free_memory()
+        await status.wait_list_applied()
 
 
 async def _handle_signals(
@@ -277,8 +285,9 @@ async def run_jobsignal(
 ) -> None:
     """Run a whole jobsignal server until `shutdown` is set (or SIGINT/SIGTERM).
 
-    Once the first LIST is loaded it calls `gc.freeze()` (see
-    `_freeze_after_first_list`), which also affects an embedding program.
+    Once the first LIST is loaded it calls `gc.freeze()`, and after every LIST
+    it gives free C heap pages back to the system (`_settle_memory_after_lists`):
+    both also affect an embedding program.
     """
     connection = choose_connection(config, environ)
     settings = server_settings(config)
@@ -325,7 +334,7 @@ async def run_jobsignal(
                 port,
                 build_registry(sources),
             )
-        nursery.start_soon(_freeze_after_first_list, status)
+        nursery.start_soon(_settle_memory_after_lists, status)
         parts = ServerParts(broadcaster, registry, store, status, watcher, server)
         task_status.started(RunningJobsignal(parts, shutdown, metrics_port))
         await server.stopped.wait()

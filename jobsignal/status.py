@@ -11,6 +11,8 @@ class SourceStatus:
     `ready` is set once the first full LIST has been applied: only then is
     the served state the cluster's. `in_sync` turns false while the API
     cannot be reached; the last known state keeps being served meanwhile.
+    `lists_applied` counts every full LIST applied (each scope's first and
+    every relist), which `wait_list_applied` waits for.
     """
 
     def __init__(self) -> None:
@@ -18,7 +20,9 @@ class SourceStatus:
         self.in_sync = False
         self.last_sync_time: float | None = None
         self.problem = ""
+        self.lists_applied = 0
         self._changed = trio.Event()
+        self._listed = trio.Event()
 
     def mark_synced(self, wall_time: float) -> None:
         self.last_sync_time = wall_time
@@ -30,6 +34,16 @@ class SourceStatus:
     def mark_ready(self, wall_time: float) -> None:
         self.mark_synced(wall_time)
         self.ready.set()
+
+    def mark_list_applied(self) -> None:
+        """A full LIST of one scope is applied to the store (a first one or a relist)."""
+        self.lists_applied += 1
+        self._listed.set()
+        self._listed = trio.Event()
+
+    async def wait_list_applied(self) -> None:
+        """Until the next full LIST is applied."""
+        await self._listed.wait()
 
     def mark_unreachable(self, problem: str) -> None:
         self.problem = problem

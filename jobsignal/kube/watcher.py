@@ -217,6 +217,7 @@ class Watcher:
 
     def _mark_listed(self, namespace: str | None) -> None:
         self._listed.add(namespace)
+        self._status.mark_list_applied()
         now = self._wall_clock()
         if not self._status.ready.is_set() and self._listed >= set(self._scopes):
             self._status.mark_ready(now)

@@ -44,7 +44,7 @@ from tests.support.events import (
     wait_for_events,
 )
 from tests.support.grpcio import GrpcioClients, GrpcioStream, GrpcioStubs, cli_command, cli_env
-from tests.support.kube_server import open_kube_server, subscribe, target
+from tests.support.kube_server import open_kube_server, subscribe, take_fault, target
 from tests.support.waiting import wait_until
 
 
@@ -263,15 +263,6 @@ async def test_health_serving_after_the_first_list(
 
 
 # -- faults in the middle of the lifecycle ---------------------------------------------------
-
-
-async def take_fault(emu: KubeEmulator, fault: Drop | ExpireWatch) -> None:
-    """Queue `fault`, end the open watch, and wait until the next watch has taken it."""
-    applied = emu.stats.faults_applied
-    emu.faults.push(fault)
-    emu.restart(lose_history=False)  # watches end (cleanly); history is kept
-    with trio.fail_after(10):
-        await emu.wait_for(lambda: emu.stats.faults_applied == applied + 1)
 
 
 async def test_faults_mid_lifecycle_leave_the_client_with_the_clusters_state(

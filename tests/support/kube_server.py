@@ -2,7 +2,8 @@
 
 `open_kube_server` runs `run_jobsignal` with a Config from `load_config`,
 reaching the emulator through a kubeconfig with its bearer token, so the real
-credential path is used; `subscribe` connects a grpcio client to it.
+credential path is used; `subscribe` connects a grpcio client to it;
+`take_fault` makes the emulator's next watch fail as a fault says.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import trio
 
 from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.config import load_config
-from jobsignal.sim.emulator import KubeEmulator
+from jobsignal.sim.emulator import Drop, ExpireWatch, KubeEmulator
 
 from .cluster import write_kubeconfig
 from .grpcio import GrpcioClients, GrpcioStream
@@ -86,3 +87,12 @@ async def subscribe(
         what="the subscription to be active",
     )
     return stream
+
+
+async def take_fault(emu: KubeEmulator, fault: Drop | ExpireWatch) -> None:
+    """Queue `fault`, end the open watch, and wait until the next watch has taken it."""
+    applied = emu.stats.faults_applied
+    emu.faults.push(fault)
+    emu.restart(lose_history=False)  # watches end (cleanly); history is kept
+    with trio.fail_after(10):
+        await emu.wait_for(lambda: emu.stats.faults_applied == applied + 1)
