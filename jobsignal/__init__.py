@@ -29,10 +29,11 @@ Job events in-process, without gRPC (plain dataclasses; see jobsignal.events)::
         ...
 """
 
+from typing import TYPE_CHECKING
+
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.app import RunningJobsignal
 from jobsignal.app import run_jobsignal as serve
-from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription, subscribe
 from jobsignal.config import Config, ConfigError, configure
 from jobsignal.embed import watch_jobs
 from jobsignal.events import (
@@ -48,8 +49,24 @@ from jobsignal.events import (
 from jobsignal.rpc import _grpclib
 from jobsignal.version import __version__ as __version__
 
+if TYPE_CHECKING:
+    from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription, subscribe
+
 # Before any grpclib handler or call runs on trio-asyncio (Python 3.12+).
 _grpclib.install()
+
+# The client (with grpclib's) is imported on first use: a server never loads it.
+_CLIENT_NAMES = frozenset({"SubscribeFailed", "SubscribeOptions", "open_subscription", "subscribe"})
+
+
+def __getattr__(name: str) -> object:
+    if name not in _CLIENT_NAMES:
+        raise AttributeError(f"module 'jobsignal' has no attribute {name!r}")
+    from jobsignal import client
+
+    value = getattr(client, name)
+    globals()[name] = value  # found directly from now on
+    return value
 
 
 __all__ = [

@@ -22,7 +22,8 @@ import pytest
 import trio
 import trustme
 
-from jobsignal.cli import EXIT_STDOUT_CLOSED, human_age, job_age, jobs_table, main, npu_count
+from jobsignal.cli import EXIT_STDOUT_CLOSED, main
+from jobsignal.client_cli import human_age, job_age, jobs_table, npu_count
 from jobsignal.config import SERVE_SETTINGS, SUBSCRIBE_SETTINGS
 from jobsignal.fanout import Broadcaster
 from jobsignal.rpc.tls import TlsFiles

@@ -21,8 +21,9 @@ import trio
 import trustme
 
 from jobsignal._proto.job import JobSummarySignal
-from jobsignal.cli import EXIT_USAGE, build_parser, subscribe_options
+from jobsignal.cli import EXIT_USAGE, build_parser
 from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription
+from jobsignal.client_cli import subscribe_options
 from jobsignal.config import ConfigError
 from jobsignal.rpc.tls import TlsFiles
 from tests.support.factories import make_job

@@ -1,10 +1,12 @@
-"""What a serving jobsignal leaves unimported: the protobuf runtime and PyYAML.
+"""What a serving jobsignal leaves unimported: the protobuf runtime, PyYAML, the client.
 
 A fresh interpreter (this one has grpcio and protobuf loaded by other tests)
 serves the embedded demo cluster, answers health Check and Watch, a Register
 and a List subscription, and reports which of those modules it loaded. Server
 reflection is the one caller of the protobuf runtime, loaded on its first call
 (jobsignal/rpc/reflection.py); its answers are tested in tests/rpc/test_interop.py.
+`jobsignal serve` loads neither the client commands, jobsignal's gRPC client
+(with grpclib's) nor shtab: they are for the other commands.
 """
 
 from __future__ import annotations
@@ -69,6 +71,36 @@ def test_a_serving_server_loads_neither_protobuf_nor_yaml() -> None:
     assert report["health"] == ["SERVING", "SERVING"]
     assert report["jobs"] >= 0  # the snapshot arrived (the demo may hold no job yet)
     assert report["loaded"] == []
+
+
+SERVE_COMMAND_AND_REPORT = """
+import json, os, sys
+import trio
+from jobsignal import cli
+from jobsignal.app import run_jobsignal
+from jobsignal.config import load_config
+
+args = cli.build_parser().parse_args(["serve", "--source", "demo", "--listen", "127.0.0.1:0"])
+config = load_config(vars(args), os.environ)
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(run_jobsignal, config)
+        with trio.fail_after(30):
+            await server.ready.wait()
+        loaded = sorted(
+            name for name in sys.modules
+            if name in ("jobsignal.client", "jobsignal.client_cli", "grpclib.client", "shtab")
+        )
+        print(json.dumps({"loaded": loaded}))
+        server.request_shutdown()
+
+trio.run(main)
+"""
+
+
+def test_the_serve_command_loads_no_client() -> None:
+    assert report_of(SERVE_COMMAND_AND_REPORT) == {"loaded": []}
 
 
 LOAD_AND_REPORT = """
