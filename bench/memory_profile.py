@@ -2,7 +2,7 @@
 
     python -m bench.memory_profile [--subscribers N] [--warmup W] [--top K] [--lines]
                                    [--json PATH] [--rss-only]
-    python -m bench.memory_profile --idle [--python PATH] [--jobs N] [--trace]
+    python -m bench.memory_profile --idle [--python PATH] [--optimize N] [--jobs N] [--trace]
 
 Per subscriber: the gRPC server (`run_grpc_server`, the benchmark's roomy
 limits) runs in this process; the subscribers are the benchmark's grpc.aio
@@ -21,8 +21,11 @@ Kubernetes API emulator (`bench.cluster`, `--jobs` jobs of two ConfigMaps)
 through a kubeconfig: its VmRSS once the first LIST is applied and it has
 settled, and the modules it loaded. `--python` runs another interpreter's
 installed jobsignal (a plain `pip install .` venv, say) instead of this
-repository's; `--trace` adds tracemalloc's largest holders by package (and
-tracemalloc's overhead to the RSS).
+repository's; `--optimize 2` runs it with `-OO`, as the container image
+does (deploy/Dockerfile); `--trace` adds tracemalloc's largest holders by
+package (and tracemalloc's overhead to the RSS). The report names the modules
+that had no bytecode at the interpreter's optimization level: compiled at
+start, they inflate the figure (`python -OO -m compileall` the venv first).
 """
 
 from __future__ import annotations
@@ -63,6 +66,13 @@ IDLE_SERVER = """
 import atexit, json, os, runpy, sys
 def report():
     found = {"modules": sorted(sys.modules)}
+    # Modules imported from source with no bytecode at this optimization level:
+    # each was compiled at start, which leaves the compiler's garbage in the heap.
+    found["compiled_at_start"] = sorted(
+        name for name, module in list(sys.modules.items())
+        if isinstance(getattr(module, "__cached__", None), str)
+        and not os.path.exists(module.__cached__)
+    )
     import tracemalloc  # (not before: it would count as loaded)
     if tracemalloc.is_tracing():
         top = {}
@@ -257,6 +267,9 @@ class IdleServer:
     anonymous_bytes: int
     file_bytes: int
     modules: list[str]
+    # -O level the server ran with, and the modules it compiled from source at start.
+    optimize: int = 0
+    compiled_at_start: list[str] = field(default_factory=list)
     # Bytes tracemalloc saw held, by top-level package (with --trace only).
     traced: dict[str, int] = field(default_factory=dict)
 
@@ -287,7 +300,7 @@ def write_kubeconfig(directory: Path, url: str) -> Path:
 
 
 def idle_server(
-    python: str | None, jobs: int, *, settle: float, trace: bool, work: Path
+    python: str | None, jobs: int, *, settle: float, trace: bool, work: Path, optimize: int = 0
 ) -> IdleServer:
     """Start the emulator with `jobs` jobs and `jobsignal serve` against it; measure."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -301,7 +314,8 @@ def idle_server(
             server_env.pop("PYTHONPATH", None)
         if trace:
             server_env["PYTHONTRACEMALLOC"] = "1"
-        command = [python or sys.executable, "-c", IDLE_SERVER, "serve"]
+        flags = ["-" + "O" * optimize] if optimize else []
+        command = [python or sys.executable, *flags, "-c", IDLE_SERVER, "serve"]
         command += ["--kubeconfig", str(write_kubeconfig(work, cluster.ready["url"]))]
         command += ["--listen", f"127.0.0.1:{free_port()}", "--namespaces", "bench"]
         server = subprocess.Popen(
@@ -331,18 +345,26 @@ def idle_server(
         anonymous_bytes=anonymous,
         file_bytes=file_backed,
         modules=found["modules"],
+        optimize=optimize,
+        compiled_at_start=found["compiled_at_start"],
         traced=found.get("traced", {}),
     )
 
 
 def idle_report(idle: IdleServer, top: int) -> str:
     lines = [
-        f"jobsignal serve ({idle.python}), {idle.jobs} jobs, no subscriber, after the first LIST",
+        f"jobsignal serve ({idle.python}{' -' + 'O' * idle.optimize if idle.optimize else ''}),"
+        f" {idle.jobs} jobs, no subscriber, after the first LIST",
         f"VmRSS: {idle.rss_bytes / 2**20:.1f} MiB ({idle.rss_bytes / 1e6:.1f} MB):"
         f" {idle.anonymous_bytes / 1e6:.1f} MB private,"
         f" {idle.file_bytes / 1e6:.1f} MB of mapped files",
         f"modules loaded: {len(idle.modules)}; top-level: {' '.join(idle.packages())}",
     ]
+    if idle.compiled_at_start:
+        lines.append(
+            f"compiled from source at start (no bytecode at this -O level, RSS inflated):"
+            f" {len(idle.compiled_at_start)} modules, e.g. {' '.join(idle.compiled_at_start[:5])}"
+        )
     if idle.traced:
         lines.append(f"Python allocations held: {sum(idle.traced.values()) / 2**20:.1f} MiB")
         ranked = sorted(idle.traced.items(), key=lambda item: -item[1])
@@ -378,6 +400,9 @@ def main() -> None:
     )
     parser.add_argument("--idle", action="store_true", help="a whole server with no subscriber")
     parser.add_argument("--python", help="--idle: this interpreter's installed jobsignal")
+    parser.add_argument(
+        "--optimize", type=int, choices=(0, 1, 2), default=0, help="--idle: run with -O or -OO"
+    )
     parser.add_argument("--jobs", type=int, default=64, help="--idle: jobs in the emulator")
     parser.add_argument("--settle", type=float, default=3.0, help="--idle: seconds after the LIST")
     parser.add_argument("--trace", action="store_true", help="--idle: tracemalloc by package")
@@ -385,7 +410,12 @@ def main() -> None:
     if args.idle:
         with tempfile.TemporaryDirectory(prefix="memory-profile-") as work:
             found = idle_server(
-                args.python, args.jobs, settle=args.settle, trace=args.trace, work=Path(work)
+                args.python,
+                args.jobs,
+                settle=args.settle,
+                trace=args.trace,
+                work=Path(work),
+                optimize=args.optimize,
             )
         print(idle_report(found, args.top))
         if args.json:

@@ -3,15 +3,9 @@ through --drain-delay, then the graceful shutdown; plus /readyz and /livez."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -23,7 +17,8 @@ from prometheus_client import CollectorRegistry
 from jobsignal.app import _handle_signals, readiness
 from jobsignal.metrics_server import route
 from jobsignal.status import SourceStatus
-from tests.support.grpcio import GrpcioClients, GrpcioStubs, cli_command, cli_env
+from tests.support.grpcio import GrpcioClients, GrpcioStubs, health_statuses
+from tests.support.serve_process import serving_demo
 from tests.support.waiting import wait_until_blocking
 
 
@@ -80,69 +75,19 @@ def test_readyz_and_livez_routes() -> None:
     assert live.status == 200  # alive while it drains
 
 
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as error:
-        return int(error.code)
-
-
-def _health(stubs: GrpcioStubs, target: str) -> dict[str, str]:
-    done = subprocess.run(
-        cli_command("health", target, "", "job.Job"),
-        capture_output=True,
-        env=cli_env(stubs),
-        timeout=30,
-        check=True,
-    )
-    result: dict[str, str] = json.loads(done.stdout.decode().splitlines()[-1])
-    return result
-
-
 def test_sigterm_drains_a_real_server(
     grpc_clients: GrpcioClients, grpcio_stubs: GrpcioStubs
 ) -> None:
     drain = 3.0
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jobsignal",
-            "serve",
-            "--source",
-            "demo",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--drain-delay",
-            str(drain),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        env={"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent"},
-    )
-    try:
-        assert server.stderr is not None
-        ports: dict[str, int] = {}
-        deadline = time.monotonic() + 30
-        while len(ports) < 2 and time.monotonic() < deadline:
-            line = server.stderr.readline()
-            if match := re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", line):
-                ports["grpc"] = int(match.group(1))
-            if match := re.search(r"metrics on http://127\.0\.0\.1:(\d+)", line):
-                ports["metrics"] = int(match.group(1))
-        readyz = f"http://127.0.0.1:{ports['metrics']}/readyz"
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent"}
+    with serving_demo("--drain-delay", str(drain), env=env) as serving:
+        server = serving.process
         wait_until_blocking(
-            lambda: _get(readyz) == 200,
-            within=deadline - time.monotonic(),
-            what="/readyz 200",
-            interval=0.05,
+            lambda: serving.get("/readyz")[0] == 200, within=30, what="/readyz 200", interval=0.05
         )
 
-        client = grpc_clients.connect(f"127.0.0.1:{ports['grpc']}")
-        assert _health(grpcio_stubs, f"127.0.0.1:{ports['grpc']}") == {
+        client = grpc_clients.connect(serving.target)
+        assert health_statuses(grpcio_stubs, serving.target, "", "job.Job") == {
             "": "SERVING",
             "job.Job": "SERVING",
         }
@@ -154,14 +99,16 @@ def test_sigterm_drains_a_real_server(
         server.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         wait_until_blocking(
-            lambda: _get(readyz) == 503,
+            lambda: serving.get("/readyz")[0] == 503,
             within=signalled + 1.0 - time.monotonic(),
             what="/readyz to turn 503 at once",
             interval=0.02,
         )
-        assert _get(readyz.replace("readyz", "livez")) == 200
-        target = f"127.0.0.1:{ports['grpc']}"
-        assert _health(grpcio_stubs, target) == {"": "NOT_SERVING", "job.Job": "NOT_SERVING"}
+        assert serving.get("/livez")[0] == 200
+        assert health_statuses(grpcio_stubs, serving.target, "", "job.Job") == {
+            "": "NOT_SERVING",
+            "job.Job": "NOT_SERVING",
+        }
         # The live stream is still served while it drains...
         assert server.poll() is None
 
@@ -179,9 +126,3 @@ def test_sigterm_drains_a_real_server(
         assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "server shutting down")
         assert ended_after >= drain - 0.2, ended_after
         assert server.wait(15) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-        server.wait(timeout=10)
-        if server.stderr is not None:
-            server.stderr.close()

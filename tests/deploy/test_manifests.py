@@ -83,6 +83,7 @@ from tests.support.manifests import (
     _containers,
     _covered,
     _differences,
+    _dockerfile_env,
     _dockerfile_instructions,
     _documents,
     _env_values,
@@ -489,8 +490,8 @@ def test_dockerfile() -> None:
     config = _serve_config(_exec_form(last("CMD"), "CMD"), {}, "Dockerfile CMD")
     assert config.source == "kubernetes"
 
-    env = " ".join(args for keyword, args in steps if keyword == "ENV")
-    assert "PYTHONDONTWRITEBYTECODE=1" in env.split()
+    env = _dockerfile_env(steps)
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
     copied = [args.split()[:-1] for keyword, args in steps if keyword == "COPY"]
     assert sorted(src for sources in copied for src in sources) == [
         "README.md",
@@ -499,6 +500,18 @@ def test_dockerfile() -> None:
     ]
     runs = [args for keyword, args in steps if keyword == "RUN"]
     assert any(re.search(r"pip install --no-cache-dir .* \.(\s|$)", run) for run in runs), runs
+    # The read-only container never writes bytecode, and python:*-slim has none
+    # for its standard library: it is compiled in the image, at the -O level the
+    # server runs with (a .pyc of another level is not used).
+    level = int(env.get("PYTHONOPTIMIZE", "0"))
+    compile_flags = {
+        match.group(1) or ""
+        for run in runs
+        for match in re.finditer(r"python (-O+ )?-m compileall", run)
+    }
+    assert compile_flags == {("-" + "O" * level + " ") if level else ""}, compile_flags
+    compiled = " ".join(run for run in runs if "compileall" in run)
+    assert 'get_path("stdlib")' in compiled and 'get_path("purelib")' in compiled, compiled
 
 
 def test_dockerignore_keeps_what_the_image_copies() -> None:

@@ -21,8 +21,10 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -263,3 +265,16 @@ def cli_env(stubs: GrpcioStubs) -> dict[str, str]:
     the repository on the import path (for `tests.support`)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, STUBS_ENV: str(stubs.directory), "PYTHONPATH": path}
+
+
+def health_statuses(stubs: GrpcioStubs, target: str, *services: str) -> dict[str, str]:
+    """grpc.health.v1 Check of each service by grpcio-health-checking, out of process."""
+    done = subprocess.run(
+        cli_command("health", target, *services),
+        capture_output=True,
+        env=cli_env(stubs),
+        timeout=30,
+        check=True,
+    )
+    statuses: dict[str, str] = json.loads(done.stdout.decode().splitlines()[-1])
+    return statuses

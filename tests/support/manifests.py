@@ -881,6 +881,18 @@ def _dockerfile_instructions(text: str) -> list[tuple[str, str]]:
     return instructions
 
 
+def _dockerfile_env(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    """The variables the image's ENV instructions set (`ENV NAME=value ...` form)."""
+    env: dict[str, str] = {}
+    for keyword, arguments in instructions:
+        if keyword == "ENV":
+            for pair in arguments.split():
+                name, equals, value = pair.partition("=")
+                assert equals, f"ENV {arguments!r}: use the NAME=value form"
+                env[name] = value
+    return env
+
+
 def _exec_form(arguments: str, instruction: str) -> list[str]:
     value = json.loads(arguments)
     assert isinstance(value, list), f"{instruction} must use the exec (JSON) form"
