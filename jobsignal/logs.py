@@ -6,7 +6,8 @@ an untrusted value a line quotes is bounded by `jobsignal.text`).
 Both formats stamp lines in UTC, RFC 3339 with milliseconds
 (2026-12-01T09:00:00.123Z). JSON lines carry a record's `extra` fields as keys
 (`event`, `role`, `client_id`, `peer`, `reason`, ...), so a log pipeline need
-not parse the message text.
+not parse the message text; their formatter (`json_logs.py`, python-json-logger)
+is imported only when JSON is asked for.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict, Unpack
+from typing import TypedDict, Unpack
 
 import trio
-from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
 
 def _now() -> float:
@@ -126,34 +126,15 @@ class TextFormatter(logging.Formatter):
         return utc_timestamp(record)
 
 
-class JsonFormatter(_LibraryJsonFormatter):
-    """One JSON object per line: `time`, `level`, `logger`, `message`, the record's
-    `extra` fields as keys, and `error` (the traceback) when there is one."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            "%(message)s",
-            rename_fields={"exc_info": "error", "stack_info": "stack"},
-            json_ensure_ascii=False,
-        )
-
-    def add_fields(
-        self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
-    ) -> None:
-        envelope = {
-            "time": utc_timestamp(record),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-        }
-        log_data.update(envelope)  # first in every line
-        super().add_fields(log_data, record, message_dict)
-        log_data.update(envelope)  # and never replaced by an `extra` field of the same name
-
-
 def configure_logging(level: str, fmt: str) -> None:
     """Log to stderr at `level` (any case: INFO, Info, info) as `fmt` ("text" or "json")."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    if fmt == "json":
+        from jobsignal.json_logs import JsonFormatter  # (python-json-logger: json only)
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

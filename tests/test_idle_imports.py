@@ -5,8 +5,8 @@ serves the embedded demo cluster, answers health Check and Watch, a Register
 and a List subscription, and reports which of those modules it loaded. Server
 reflection is the one caller of the protobuf runtime, loaded on its first call
 (jobsignal/rpc/reflection.py); its answers are tested in tests/rpc/test_interop.py.
-`jobsignal serve` loads neither the client commands, jobsignal's gRPC client
-(with grpclib's) nor shtab: they are for the other commands.
+`jobsignal serve` with text logs loads neither the client commands,
+jobsignal's gRPC client (with grpclib's), shtab nor python-json-logger.
 """
 
 from __future__ import annotations
@@ -79,9 +79,11 @@ import trio
 from jobsignal import cli
 from jobsignal.app import run_jobsignal
 from jobsignal.config import load_config
+from jobsignal.logs import configure_logging
 
 args = cli.build_parser().parse_args(["serve", "--source", "demo", "--listen", "127.0.0.1:0"])
 config = load_config(vars(args), os.environ)
+configure_logging(config.log_level, config.log_format)
 
 async def main():
     async with trio.open_nursery() as nursery:
@@ -90,7 +92,10 @@ async def main():
             await server.ready.wait()
         loaded = sorted(
             name for name in sys.modules
-            if name in ("jobsignal.client", "jobsignal.client_cli", "grpclib.client", "shtab")
+            if name in (
+                "jobsignal.client", "jobsignal.client_cli", "grpclib.client", "shtab",
+                "jobsignal.json_logs", "pythonjsonlogger",
+            )
         )
         print(json.dumps({"loaded": loaded}))
         server.request_shutdown()

@@ -23,7 +23,8 @@ import trio
 
 from jobsignal.cli import main
 from jobsignal.config import ConfigError, load_config
-from jobsignal.logs import JsonFormatter, RateLimitedLog, TextFormatter, configure_logging
+from jobsignal.json_logs import JsonFormatter
+from jobsignal.logs import RateLimitedLog, TextFormatter, configure_logging
 from tests.support.grpcio import GrpcioClients, rpc_error
 from tests.support.threads import in_thread
 
