@@ -3,6 +3,11 @@
 HTTP/1.1 over trio with h11; one short request per connection is all a
 scraper needs, so connections are closed after each response and each one is
 bounded in time (`CONNECTION_TIMEOUT`) and request size (`MAX_REQUEST_BYTES`).
+At most `MAX_CONNECTIONS` are served at once, `MAX_CONNECTIONS_PER_ADDRESS`
+from one address: a connection past either is closed at once, unanswered,
+so a peer opening many cannot take the file descriptors the gRPC port and
+the Kubernetes watch need, and one address cannot take every slot from the
+kubelet's probes and the scraper.
 
 Each connection is a fault boundary: a request h11 cannot parse gets 400 (or
 431 for oversized headers), a client too slow to finish gets 408, and any
@@ -33,6 +38,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from jobsignal.logs import RateLimitedLog
+from jobsignal.rpc.limits import ConnectionCounter
 from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,10 @@ MAX_REQUEST_BYTES = 16 * 1024
 # that destroys the response before the client has read it.
 LINGER_TIME = 1.0
 LINGER_BYTES = 64 * 1024
+# Connections served at once: a scraper and the kubelet's probes need one each,
+# for milliseconds.
+MAX_CONNECTIONS = 64
+MAX_CONNECTIONS_PER_ADDRESS = 8
 # Sending a short error response to a client that may not be reading.
 ERROR_SEND_TIMEOUT = 1.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -56,7 +66,13 @@ METRICS_VARY = "Accept, Accept-Encoding"
 
 
 # Why a connection ended in a fault: the keys of HttpStats.errors.
-HTTP_ERROR_REASONS = ("bad_request", "headers_too_large", "timeout", "internal")
+HTTP_ERROR_REASONS = (
+    "bad_request",
+    "headers_too_large",
+    "timeout",
+    "internal",
+    "too_many_connections",
+)
 
 
 @dataclass
@@ -64,7 +80,9 @@ class HttpStats:
     """Connections ended by a fault, by reason.
 
     Reasons: bad_request (400), headers_too_large (431), timeout (408 if it
-    could still be sent), internal (an unexpected exception: 500).
+    could still be sent), internal (an unexpected exception: 500),
+    too_many_connections (closed unanswered: over the limit in all or from
+    its address).
     """
 
     errors: Counter[str] = field(default_factory=Counter)
@@ -258,6 +276,14 @@ def _peer_of(stream: trio.SocketStream) -> str:
     return f"{host}:{port}"
 
 
+def _address_of(stream: trio.SocketStream) -> str:
+    """The peer's IP address (one key for every peer whose address is unknown)."""
+    try:
+        return str(stream.socket.getpeername()[0])
+    except (OSError, ValueError, IndexError):
+        return "unknown"
+
+
 async def serve_connection(
     stream: trio.SocketStream,
     metrics: Collector,
@@ -301,8 +327,21 @@ async def run_metrics_server(
     bound = listeners[0].socket.getsockname()[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     task_status.started(bound)
+    connections = ConnectionCounter(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS)
 
     async def handler(stream: trio.SocketStream) -> None:
-        await serve_connection(stream, metrics, stats, readiness)
+        address = _address_of(stream)
+        refusal = connections.refusal(address)
+        if refusal is not None:
+            connections.refused += 1
+            stats.errors["too_many_connections"] += 1
+            fault_log.log(logging.INFO, "http:too_many_connections", "metrics HTTP: %s", refusal)
+            await trio.aclose_forcefully(stream)
+            return
+        connections.opened(address)
+        try:
+            await serve_connection(stream, metrics, stats, readiness)
+        finally:
+            connections.closed(address)
 
     await trio.serve_listeners(handler, listeners)

@@ -200,6 +200,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
         "headers_too_large": 0,
         "timeout": 0,
         "internal": 0,
+        "too_many_connections": 0,
     }
 
     # Fan-out: three job events to two subscribers, each message received once.

@@ -241,6 +241,68 @@ async def test_a_client_reset_ends_only_its_connection() -> None:
         await assert_still_serving(server.port)
 
 
+async def _held(port: int, host: str = "127.0.0.1") -> trio.SocketStream:
+    """A connection from `host` (an address of the loopback range) that sends nothing."""
+    sock = trio.socket.socket()
+    await sock.bind((host, 0))
+    await sock.connect(("127.0.0.1", port))
+    return trio.SocketStream(sock)
+
+
+async def _closed_unanswered(stream: trio.SocketStream) -> bool:
+    """Whether the server closed `stream` without a byte (before its request timeout)."""
+    with trio.move_on_after(CONNECTION_TIMEOUT / 2):
+        try:
+            return await stream.receive_some(65536) == b""
+        except trio.BrokenResourceError:  # reset: closed with the request unread
+            return True
+    return False
+
+
+async def test_one_address_gets_its_share_of_connections_and_no_more() -> None:
+    async with open_metrics_server() as server:
+        share = metrics_server.MAX_CONNECTIONS_PER_ADDRESS
+        # Each held connection waits for its request: the next one is refused.
+        held = [await _held(server.port) for _ in range(share)]
+        extra = await _held(server.port)
+        assert await _closed_unanswered(extra)
+        assert server.stats.errors == {"too_many_connections": 1}
+        # Another address is still served, and so is this one once a slot is free.
+        other = await _held(server.port, "127.0.0.2")
+        await other.send_all(b"GET /healthz HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert (await other.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
+        await held.pop().aclose()
+        await wait_until_served(server.port)
+        for stream in [extra, other, *held]:
+            await stream.aclose()
+
+
+async def test_all_addresses_together_get_at_most_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(metrics_server, "MAX_CONNECTIONS", 6)
+    monkeypatch.setattr(metrics_server, "MAX_CONNECTIONS_PER_ADDRESS", 2)
+    async with open_metrics_server() as server:
+        held = [await _held(server.port, f"127.0.0.{2 + i // 2}") for i in range(6)]
+        extra = await _held(server.port, "127.0.0.9")
+        assert await _closed_unanswered(extra)
+        assert server.stats.errors == {"too_many_connections": 1}
+        for stream in [extra, *held]:
+            await stream.aclose()
+        await wait_until_served(server.port)
+
+
+async def wait_until_served(port: int) -> None:
+    """Until a fresh connection from 127.0.0.1 gets GET /metrics answered."""
+    with trio.fail_after(5):
+        while True:
+            try:
+                await assert_still_serving(port)
+                return
+            except (AssertionError, trio.BrokenResourceError):
+                await trio.sleep(0.01)  # the freed slot is not counted free yet
+
+
 @pytest.mark.parametrize("sent", [b"", b"GET /metrics HTTP/1.1\r\nHost: h\r\n"])
 async def test_a_client_that_never_finishes_is_let_go_after_the_timeout(
     sent: bytes, io_clock: trio.testing.MockClock

@@ -91,7 +91,9 @@ class ConnectionTable:
         self.ping_policy = ping_policy
         self.limits = limits or Limits()
         self.protocol_limits = protocol_limits or ProtocolLimits()
-        self.counter = ConnectionCounter(self.limits)
+        self.counter = ConnectionCounter(
+            self.limits.max_connections, self.limits.max_connections_per_ip
+        )
         self.flusher = TurnFlusher()
         self.late_flusher = LateFlusher()
         self._protocols: dict[Connection, ObservedH2Protocol] = {}

@@ -62,23 +62,21 @@ class RateLimiter:
 
 
 class ConnectionCounter:
-    """Open connections in total and per client address."""
+    """Open connections in total and per client address, against a limit for each."""
 
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
+    def __init__(self, max_total: int, max_per_ip: int) -> None:
+        self.max_total = max_total
+        self.max_per_ip = max_per_ip
         self.total = 0
         self.per_ip: Counter[str] = Counter()
         self.refused = 0
 
     def refusal(self, ip: str) -> str | None:
         """Why a new connection from `ip` must be refused, or None to accept it."""
-        if self.total >= self.limits.max_connections:
-            return f"too many connections to this server (limit {self.limits.max_connections})"
-        if self.per_ip[ip] >= self.limits.max_connections_per_ip:
-            return (
-                f"too many connections from {ip}"
-                f" (limit {self.limits.max_connections_per_ip} per address)"
-            )
+        if self.total >= self.max_total:
+            return f"too many connections to this server (limit {self.max_total})"
+        if self.per_ip[ip] >= self.max_per_ip:
+            return f"too many connections from {ip} (limit {self.max_per_ip} per address)"
         return None
 
     def opened(self, ip: str) -> None:
