@@ -358,8 +358,8 @@ class Config:
     max_stream_resets_per_second: float = setting(
         "100",
         _per_second,
-        "RST_STREAM frames per second one connection may send (bursts of twice as many);"
-        " beyond: GOAWAY ENHANCE_YOUR_CALM rapid_reset",
+        "RST_STREAM frames per second one client address may send over all its connections"
+        " (bursts of twice as many); beyond: GOAWAY ENHANCE_YOUR_CALM rapid_reset",
         group="HTTP/2 protection",
     )
     max_control_frames_per_second: float = setting(

@@ -50,7 +50,7 @@ from h2.exceptions import ProtocolError, StreamClosedError
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
-from jobsignal.rpc.guard import ConnectionBudget, ProtocolLimits
+from jobsignal.rpc.guard import ConnectionBudget, ProtocolLimits, ResetBudgets
 from jobsignal.rpc.limits import ConnectionCounter, Limits
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
 from jobsignal.text import quote
@@ -94,6 +94,8 @@ class ConnectionTable:
         self.counter = ConnectionCounter(
             self.limits.max_connections, self.limits.max_connections_per_ip
         )
+        # Every connection from one address draws on one stream-reset budget.
+        self.reset_budgets = ResetBudgets(self.protocol_limits)
         self.flusher = TurnFlusher()
         self.late_flusher = LateFlusher()
         self._protocols: dict[Connection, ObservedH2Protocol] = {}
@@ -210,7 +212,10 @@ class ObservedH2Protocol(H2Protocol):
         self.output = ConnectionOutput(
             self.connection, self._table.flusher, self._table.late_flusher
         )
-        self.budget = ConnectionBudget(self._limits, trio.current_time())
+        now = trio.current_time()
+        table = self._table
+        resets = table.reset_budgets.of(self.ip, now, connected=table.counter.per_ip)
+        self.budget = ConnectionBudget(self._limits, now, resets)
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(
             self._limits.handshake_timeout, self._handshake_expired

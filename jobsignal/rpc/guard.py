@@ -10,7 +10,9 @@ sends GOAWAY ENHANCE_YOUR_CALM.
 
 - Stream resets (RST_STREAM from the client): a token bucket, so a client may
   cancel its calls, even many at once, but not open-and-reset streams at a
-  rate (the Rapid Reset attack, CVE-2023-44487).
+  rate (the Rapid Reset attack, CVE-2023-44487). It belongs to the client's
+  address, shared by all its connections (`ResetBudgets`): neither parallel
+  connections nor reconnecting multiply it.
 - Every other frame but HEADERS and CONTINUATION (SETTINGS, PING,
   WINDOW_UPDATE, PRIORITY, RST_STREAM, GOAWAY, unknown types, and DATA: a
   job.Job request is one small DATA frame, so a client's requests, already
@@ -28,6 +30,7 @@ section 7, "Hostile input and fault boundaries").
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
 from jobsignal.config import LayerSettings, from_setting
@@ -89,14 +92,57 @@ class TokenBucket:
     def give(self, tokens: float) -> None:
         self._tokens = min(self.burst, self._tokens + tokens)
 
+    def full(self, now: float) -> bool:
+        """Whether it would hold its whole burst at `now` (spending nothing)."""
+        return self._tokens + (now - self._updated) * self.rate >= self.burst
+
+
+def _reset_bucket(limits: ProtocolLimits, now: float) -> TokenBucket:
+    return TokenBucket(limits.max_resets_per_second, 2 * limits.max_resets_per_second, now)
+
+
+class ResetBudgets:
+    """The RST_STREAM budget of each client address, shared by its connections.
+
+    A bucket outlives its address's connections until it is full again, so
+    closing and reopening connections does not refill it. Once more than
+    `FORGET_ABOVE` addresses are known, the full buckets of addresses with no
+    open connection are forgotten: the table holds the addresses that are
+    connected or reset streams in the last seconds, not every address ever
+    seen.
+    """
+
+    FORGET_ABOVE = 1024
+
+    def __init__(self, limits: ProtocolLimits) -> None:
+        self._limits = limits
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def of(self, address: str, now: float, connected: Container[str] = ()) -> TokenBucket:
+        """The bucket of `address`; `connected`: the addresses with open connections."""
+        bucket = self._buckets.get(address)
+        if bucket is None:
+            if len(self._buckets) >= self.FORGET_ABOVE:
+                self._buckets = {
+                    known: kept
+                    for known, kept in self._buckets.items()
+                    if known in connected or not kept.full(now)
+                }
+            bucket = self._buckets[address] = _reset_bucket(self._limits, now)
+        return bucket
+
 
 class ConnectionBudget:
-    """The budgets of one connection, charged from the frames on the wire."""
+    """The budgets of one connection, charged from the frames on the wire; `resets`
+    is its address's stream-reset bucket (`ResetBudgets.of`), else one of its own."""
 
-    def __init__(self, limits: ProtocolLimits, now: float) -> None:
-        self.resets = TokenBucket(
-            limits.max_resets_per_second, 2 * limits.max_resets_per_second, now
-        )
+    def __init__(
+        self, limits: ProtocolLimits, now: float, resets: TokenBucket | None = None
+    ) -> None:
+        self.resets = _reset_bucket(limits, now) if resets is None else resets
         self.control = TokenBucket(
             limits.max_control_frames_per_second, 2 * limits.max_control_frames_per_second, now
         )

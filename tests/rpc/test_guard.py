@@ -23,6 +23,7 @@ from jobsignal.rpc.guard import (
     RAPID_RESET,
     ConnectionBudget,
     ProtocolLimits,
+    ResetBudgets,
 )
 
 LIMITS = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=5)
@@ -89,6 +90,46 @@ def test_stream_resets_have_their_own_budget() -> None:
     assert guard.charge_input(wire(RstStreamFrame(99)), 0.0) == RAPID_RESET
     assert guard.charge_input(wire(RstStreamFrame(101), RstStreamFrame(103)), 0.2) is None
     assert guard.charge_input(wire(RstStreamFrame(105)), 0.2) == RAPID_RESET
+
+
+def resets(first: int, count: int) -> bytes:
+    return wire(*[RstStreamFrame(first + 2 * i) for i in range(count)])
+
+
+def test_connections_from_one_address_share_its_reset_budget() -> None:
+    limits = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=1000)
+    budgets = ResetBudgets(limits)
+    first = ConnectionBudget(limits, 0.0, budgets.of("127.0.0.2", 0.0))
+    second = ConnectionBudget(limits, 0.0, budgets.of("127.0.0.2", 0.0))
+    other = ConnectionBudget(limits, 0.0, budgets.of("127.0.0.3", 0.0))
+    assert first.charge_input(PREFACE + resets(1, 12), 0.0) is None
+    # The burst is 20 for the address, not for each of its connections.
+    assert second.charge_input(PREFACE + resets(1, 8), 0.0) is None
+    assert second.charge_input(resets(17, 1), 0.0) == RAPID_RESET
+    assert first.charge_input(resets(25, 1), 0.0) == RAPID_RESET
+    assert other.charge_input(PREFACE + resets(1, 20), 0.0) is None
+    # Reconnecting does not refill it: a new connection of the address finds it empty...
+    again = ConnectionBudget(limits, 0.5, budgets.of("127.0.0.2", 0.5))
+    assert again.charge_input(PREFACE + resets(1, 5), 0.5) is None  # (half a second: 5 back)
+    assert again.charge_input(resets(11, 1), 0.5) == RAPID_RESET
+
+
+def test_the_reset_budgets_forget_full_buckets_of_addresses_not_connected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ResetBudgets, "FORGET_ABOVE", 3)
+    budgets = ResetBudgets(LIMITS)  # 10 resets a second, bursts of 20
+    spent = budgets.of("127.0.0.2", 0.0)
+    assert spent.take(0.0, 20)
+    connected = budgets.of("127.0.0.3", 0.0)
+    budgets.of("127.0.0.4", 0.0)
+    assert len(budgets) == 3
+    # One second later: .2 has half its burst back and is kept, .3 is full but
+    # connected and kept, .4 is full and forgotten to make room for .5.
+    budgets.of("127.0.0.5", 1.0, connected={"127.0.0.3"})
+    assert len(budgets) == 3
+    assert budgets.of("127.0.0.2", 1.0) is spent
+    assert budgets.of("127.0.0.3", 1.0) is connected
 
 
 # A frame on the wire as the budget sees it: its type and its payload's length.

@@ -329,6 +329,37 @@ async def test_rapid_reset_gets_goaway_and_leaves_no_stream_behind(
         await wait_until(lambda: live_grpclib_streams() <= baseline, within=WAIT)
 
 
+async def test_connections_from_one_address_share_one_reset_budget() -> None:
+    """Rapid Reset spread over two connections of one address: each sends three
+    quarters of the burst (the default: 100 a second, bursts of 200), which
+    alone would pass; together they are over it, and the second is closed."""
+    async with (
+        open_jobsignal_server() as server,
+        raw_peer(server.port) as first,
+        raw_peer(server.port) as second,
+    ):
+        headers = grpc_request_headers(server.port)
+
+        def open_and_reset(peer: RawPeer) -> list[Frame]:
+            frames: list[Frame] = []
+            for i in range(150):
+                stream_id = 1 + 2 * i
+                frames.append(peer.headers_frame(stream_id, headers))
+                frames.append(RstStreamFrame(stream_id, error_code=ErrorCodes.CANCEL))
+            return frames
+
+        for peer in (first, second):
+            await peer.handshake()
+        await first.send(*open_and_reset(first))
+        await first.assert_serves_a_request(1001)  # its resets are all counted by now
+        await second.send(*open_and_reset(second))
+        await second.read_until(has_goaway)
+        assert goaway_of(second) == (ErrorCodes.ENHANCE_YOUR_CALM, RAPID_RESET.encode())
+        assert first.goaway() is None
+        await first.assert_serves_a_request(1003)
+        assert server.connections.closed_by_server[RAPID_RESET] == 1
+
+
 async def test_streams_reset_before_they_start_are_released_at_once() -> None:
     """Resets under the budget: the connection stays, but no reset stream stays in it."""
     async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
