@@ -25,7 +25,6 @@ from jobsignal.config import (
     SERVE_SETTINGS,
     SUBSCRIBE_SETTINGS,
     ConfigError,
-    Setting,
     add_arguments,
     load_config,
 )
@@ -39,10 +38,6 @@ SHELLS = ("bash", "zsh", "tcsh")
 
 
 # -- the parser -------------------------------------------------------------------------
-
-
-def _settings(parser: argparse.ArgumentParser, settings: Sequence[Setting]) -> None:
-    add_arguments(parser, settings)
 
 
 def _target_flags(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
@@ -86,12 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the server (every flag also has an env var)",
         usage="jobsignal serve [-h] [FLAGS]",  # not all 40-odd flags in one line
     )
-    _settings(serve, SERVE_SETTINGS)
+    add_arguments(serve, SERVE_SETTINGS)
 
     demo = commands.add_parser(
         "demo", help="serve the embedded demo cluster and print what a subscriber receives"
     )
-    _settings(demo, [s for s in SERVE_SETTINGS if s.name in ("listen", "log_level")])
+    add_arguments(demo, [s for s in SERVE_SETTINGS if s.name in ("listen", "log_level")])
 
     sub = commands.add_parser("subscribe", help="register, subscribe and print job signals")
     group = _target_flags(sub, "subscription")
@@ -99,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--list", action="store_true", help="use SubscribeJobSummarySignalList")
     group.add_argument("--json", action="store_true", help="one JSON object per line")
     _seconds_flag(group, "--keepalive", 30.0, "seconds between keepalive PINGs")
-    _settings(sub, SUBSCRIBE_SETTINGS)
+    add_arguments(sub, SUBSCRIBE_SETTINGS)
 
     jobs = commands.add_parser(
         "jobs",
@@ -120,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--no-headers", action="store_true", help="no header line")
     _seconds_flag(group, "--timeout", 30.0, "give up after this long")
-    _settings(jobs, SUBSCRIBE_SETTINGS)
+    add_arguments(jobs, SUBSCRIBE_SETTINGS)
 
     check = commands.add_parser(
         "check",
@@ -138,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         " jobsignal.KubernetesSync",
     )
     _seconds_flag(group, "--timeout", 5.0, "give up after this long")
-    _settings(check, SUBSCRIBE_SETTINGS)
+    add_arguments(check, SUBSCRIBE_SETTINGS)
 
     completion = commands.add_parser(
         "completion",
