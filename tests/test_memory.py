@@ -57,22 +57,26 @@ def test_release_returns_pages_freed_below_a_live_allocation() -> None:
 async def test_a_server_releases_memory_after_its_first_list_and_every_relist(
     emu: KubeEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    releases: list[int] = []
+    releases = 0
 
     def release_free_memory() -> bool:
-        releases.append(server._parts.status.lists_applied)
+        nonlocal releases
+        releases += 1
         return True
 
     monkeypatch.setattr(app, "release_free_memory", release_free_memory)
     cluster = Cluster(emu.state)
     cluster.write(ClusterdJob("training", "a", "uid-a"), "pending")
     async with open_kube_server(emu, tmp_path, ready=True) as server:
+        status = server._parts.status
         # Once the first LIST is loaded (the task runs right after readiness).
-        await wait_until(lambda: releases == [1], what="a release after the first LIST")
+        await wait_until(lambda: releases == 1, what="a release after the first LIST")
+        assert status.lists_applied == 1
         # A 410 on the next watch: the watcher lists again.
         await take_fault(emu, ExpireWatch(after_events=1))
         cluster.write(ClusterdJob("training", "b", "uid-b"), "pending")
-        await wait_until(lambda: releases == [1, 2], what="a release after the relist")
+        await wait_until(lambda: releases == 2, what="a release after the relist")
+        assert status.lists_applied == 2
         assert server._parts.watcher.counters.relists_after_gone == 1
         await trio.sleep(0.1)
-        assert releases == [1, 2], "released without a LIST"
+        assert releases == 2, "released without a LIST"
