@@ -330,9 +330,10 @@ async def test_rapid_reset_gets_goaway_and_leaves_no_stream_behind(
 
 
 async def test_connections_from_one_address_share_one_reset_budget() -> None:
-    """Rapid Reset spread over two connections of one address: each sends three
-    quarters of the burst (the default: 100 a second, bursts of 200), which
-    alone would pass; together they are over it, and the second is closed."""
+    """Rapid Reset spread over two connections of one address: each sends 190
+    resets, just under the burst (the default: 100 a second, bursts of 200),
+    which alone would pass; together they are over it (unless the second came
+    1.8 s after the first), and the second is closed."""
     async with (
         open_jobsignal_server() as server,
         raw_peer(server.port) as first,
@@ -342,7 +343,7 @@ async def test_connections_from_one_address_share_one_reset_budget() -> None:
 
         def open_and_reset(peer: RawPeer) -> list[Frame]:
             frames: list[Frame] = []
-            for i in range(150):
+            for i in range(190):
                 stream_id = 1 + 2 * i
                 frames.append(peer.headers_frame(stream_id, headers))
                 frames.append(RstStreamFrame(stream_id, error_code=ErrorCodes.CANCEL))
