@@ -15,14 +15,15 @@ CPython's small-object arenas need no help: it frees an arena once it is empty.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 
 _Trim = Callable[[int], int]
-_trim: _Trim | None = None
-_looked_up = False
 
 
-def _find_malloc_trim() -> _Trim | None:
+@functools.cache
+def _malloc_trim() -> _Trim | None:
+    """glibc's malloc_trim, looked up once; None under another C library."""
     try:
         # The symbols the process has loaded already, the C library's among them
         # (no search for the library's file, which would run ldconfig).
@@ -33,15 +34,6 @@ def _find_malloc_trim() -> _Trim | None:
     trim.restype = ctypes.c_int
     found: _Trim = trim
     return found
-
-
-def _malloc_trim() -> _Trim | None:
-    """glibc's malloc_trim, looked up once; None under another C library."""
-    global _trim, _looked_up
-    if not _looked_up:
-        _trim = _find_malloc_trim()
-        _looked_up = True
-    return _trim
 
 
 def can_release() -> bool:

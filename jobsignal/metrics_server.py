@@ -333,7 +333,6 @@ async def run_metrics_server(
         address = _address_of(stream)
         refusal = connections.refusal(address)
         if refusal is not None:
-            connections.refused += 1
             stats.errors["too_many_connections"] += 1
             fault_log.log(logging.INFO, "http:too_many_connections", "metrics HTTP: %s", refusal)
             await trio.aclose_forcefully(stream)

@@ -1,7 +1,7 @@
 """`jobsignal serve --source demo` as a process of its own, with its gRPC and metrics ports.
 
 For tests of what only a whole process shows: signals, the interpreter's
-flags (the container image's -OO), what it imports. Both ports are
+flags (the container image's -OO). Both ports are
 ephemeral; they are read from the server's log lines.
 """
 
