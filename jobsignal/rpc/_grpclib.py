@@ -438,15 +438,100 @@ def _send_data_frame(
     stream_machine = h2_stream.state_machine
     if stream_machine.state not in SENDING_STREAM_STATES:
         stream_machine.process_input(StreamInputs.SEND_DATA)  # raises once closed
-    noted = h2_connection.send_data
-    if type(noted) is _Noted:  # the frames-sent hook sees this frame too
-        noted.callback()
     size = len(data)
-    h2_stream.outbound_flow_control_window -= size
-    h2_connection.outbound_flow_control_window -= size
+    _account_data_frame(h2_connection, h2_stream, size)
     header = size.to_bytes(3, "big") + b"\x00\x00" + h2_stream.stream_id.to_bytes(4, "big")
     h2_connection._data_to_send += header
     h2_connection._data_to_send += data
+
+
+def _account_data_frame(h2_connection: H2Connection, h2_stream: H2Stream, size: int) -> None:
+    """A DATA frame of `size` payload bytes leaves: the frames-sent hook sees it, and
+    both flow-control windows shrink by it."""
+    noted = h2_connection.send_data
+    if type(noted) is _Noted:
+        noted.callback()
+    h2_stream.outbound_flow_control_window -= size
+    h2_connection.outbound_flow_control_window -= size
+
+
+class DirectSender:
+    """The shortest path of one whole gRPC message on a server stream whose response
+    headers are out: a DATA frame built in one piece and, when nothing else of the
+    connection is waiting to be written, handed to the transport as it is.
+
+    It is what `send_now(whole=True)` and a flush do for a message that fits
+    one frame and both windows, without their lookups per call (it holds h2's
+    stream and connection, grpclib's connection and the transport) and without
+    copying the message three times (framed, into h2's buffer, out of it):
+    `publish` calls it for every parked subscriber (docs/architecture.md
+    section 6). `tests/rpc/test_grpclib_adapter.py` checks that the bytes and
+    h2's state agree with h2's own `send_data`.
+    """
+
+    __slots__ = ("_connection", "_h2", "_h2_stream", "_stream_tail", "_transport")
+
+    def __init__(self, stream: ServerStream, h2_stream: H2Stream) -> None:
+        protocol_stream = stream._stream
+        self._connection = protocol_stream.connection
+        self._h2: H2Connection = protocol_stream._h2_connection
+        self._h2_stream = h2_stream
+        self._transport: asyncio.WriteTransport = protocol_stream._transport
+        # The frame header's type and flags (DATA, none), the stream id, and the
+        # gRPC message's compressed flag (not compressed).
+        self._stream_tail = b"\x00\x00" + h2_stream.stream_id.to_bytes(4, "big") + b"\x00"
+
+    @classmethod
+    def of(cls, stream: ServerStream) -> DirectSender | None:
+        """The stream's sender once its response headers are out and h2 still holds it."""
+        protocol_stream = stream._stream
+        stream_id = protocol_stream.id
+        if not headers_sent(stream) or stream_id is None:
+            return None
+        h2_stream = protocol_stream._h2_connection.streams.get(stream_id)
+        return None if h2_stream is None else cls(stream, h2_stream)
+
+    @property
+    def alone(self) -> bool:
+        """Whether this is the only stream h2 holds for the connection (see
+        `alone_on_connection`)."""
+        return len(self._h2.streams) == 1
+
+    def frame_now(self, message: bytes) -> bytes | None:
+        """The DATA frame carrying `message`, accounted as sent (both windows, the
+        frames-sent hook, grpclib's last-data time), when HTTP/2 lets all of it go
+        now in one frame; else None, and nothing changed. The caller writes the
+        frame (`write`) before anything else is written on the connection."""
+        h2_connection, h2_stream, connection = self._h2, self._h2_stream, self._connection
+        size = len(message) + 5
+        if (
+            size > h2_connection.outbound_flow_control_window
+            or size > h2_stream.outbound_flow_control_window
+            or size > h2_connection.max_outbound_frame_size
+            or not connection.write_ready.is_set()
+            or self._transport.is_closing()
+            # Elsewhere SEND_DATA would move h2's machines or raise: the general
+            # path (`send_now`) deals with those.
+            or h2_connection.state_machine.state is not SENDING_CONNECTION_STATE
+            or h2_stream.state_machine.state not in SENDING_STREAM_STATES
+        ):
+            return None
+        _account_data_frame(h2_connection, h2_stream, size)
+        connection.data_send_process()
+        return b"".join(
+            (size.to_bytes(3, "big"), self._stream_tail, (size - 5).to_bytes(4, "big"), message)
+        )
+
+    def write(self, frame: bytes, *, at_once: bool) -> None:
+        """Write `frame` now (`at_once`) or with the connection's next flush; either
+        way after whatever h2 holds already, so the frames keep their order."""
+        output = self._h2._data_to_send
+        if at_once and not output:
+            self._transport.write(frame)
+            return
+        output += frame
+        if at_once:
+            self._connection.flush()
 
 
 # -- the frames a gRPC client sends after each message ---------------------------------------

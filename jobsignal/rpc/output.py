@@ -188,13 +188,19 @@ class ConnectionOutput:
         """Write the connection's queued frames now if this is its first write of the
         loop turn, else at the end of the turn: the first write is not delayed, and
         a burst of them still costs at most two system calls."""
+        if self.first_write_of_turn():
+            self._flush_now()
+
+    def first_write_of_turn(self) -> bool:
+        """Whether the output just queued is the connection's first of this loop turn,
+        which the caller writes now; if not, it is written at the end of the turn."""
         flusher = self._flusher
         if self._flush_scheduled or self._written_in_turn == flusher.turn:
             self.schedule_flush()
-            return
+            return False
         self._written_in_turn = flusher.turn
         flusher.end_turn_later(self._loop)
-        self._flush_now()
+        return True
 
     def _flush_now(self) -> None:
         if not self._connection.is_closing():

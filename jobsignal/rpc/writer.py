@@ -33,10 +33,6 @@ _UNCOMPRESSED = b"\x00"
 WRITE_SLICE = 256 * 1024
 
 
-def frame_one(message: bytes) -> bytes:
-    return _UNCOMPRESSED + len(message).to_bytes(4, "big") + message
-
-
 def frame(frames: list[bytes]) -> bytes:
     parts: list[bytes] = []
     for message in frames:
@@ -46,6 +42,8 @@ def frame(frames: list[bytes]) -> bytes:
 
 class StreamWriter:
     """Writes one server stream's batches through its connection's output."""
+
+    __slots__ = ("_loop", "_output", "_send_timeout", "_sender", "_stream")
 
     def __init__(
         self,
@@ -60,6 +58,8 @@ class StreamWriter:
         # The loop grpclib runs on, named: `write` runs in whichever trio task the
         # session started, which need not know of the loop (`publish`'s does not).
         self._loop = loop
+        # Made at the first `write_now` after the response headers went out.
+        self._sender: _grpclib.DirectSender | None = None
 
     async def write(self, frames: list[bytes]) -> bool:
         """Write a batch; True when it all went out without waiting.
@@ -96,11 +96,22 @@ class StreamWriter:
         for a parked subscriber): it never waits, and it never overtakes a
         stream waiting its turn on the connection.
         """
-        if self._output.has_waiting or len(message) + 5 > WRITE_SLICE:
+        output = self._output
+        if output.has_waiting or len(message) + 5 > WRITE_SLICE:
             return False
-        if not _grpclib.send_now(self._stream, frame_one(message), whole=True):
+        sender = self._sender
+        if sender is None:
+            sender = self._sender = _grpclib.DirectSender.of(self._stream)
+            if sender is None:  # before the response headers: the task sends those
+                return False
+        frame = sender.frame_now(message)
+        if frame is None:
             return False
-        self._flush()
+        if sender.alone:
+            sender.write(frame, at_once=output.first_write_of_turn())
+        else:
+            sender.write(frame, at_once=False)
+            output.schedule_flush()
         return True
 
     def _flush(self) -> None:

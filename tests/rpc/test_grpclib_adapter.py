@@ -7,7 +7,7 @@ import collections
 import socket
 import sys
 import types
-from typing import Any
+from typing import Any, cast
 
 import grpclib.protocol
 import grpclib.utils
@@ -245,16 +245,20 @@ def test_hpack_tables_encode_the_same_bytes_when_light() -> None:
 
 
 class RecordingTransport:
-    """Enough of an asyncio transport for grpclib's Connection and Stream."""
+    """Enough of an asyncio transport for grpclib's Connection and Stream: what was
+    written (and each write apart), closing on demand."""
 
     def __init__(self) -> None:
         self.written = bytearray()
+        self.writes: list[bytes] = []
+        self.closing = False
 
     def write(self, data: bytes) -> None:
         self.written += data
+        self.writes.append(bytes(data))
 
     def is_closing(self) -> bool:
-        return False
+        return self.closing
 
     def close(self) -> None:
         pass
@@ -582,6 +586,125 @@ def test_send_now_builds_no_hyperframe_frame(monkeypatch: pytest.MonkeyPatch) ->
     assert _grpclib.send_now(server_stream_on(server, 1), many) == 40_000
     with pytest.raises(AssertionError, match="DataFrame"):  # the patch is in force
         server.send_data(1, b"m")
+
+
+# -- DirectSender: one whole message from publish ------------------------------------------------
+
+
+def direct_sender_on(
+    server: H2Connection, stream_id: int = 1
+) -> tuple[_grpclib.DirectSender, grpclib.protocol.Connection, RecordingTransport]:
+    """A DirectSender of a grpclib server stream on `server`'s stream, its response
+    headers out; with grpclib's connection and the transport it writes to."""
+    transport = RecordingTransport()
+    connection = grpclib.protocol.Connection(server, cast(Any, transport), config=Configuration())
+    stream: Any = types.SimpleNamespace(
+        _stream=connection.create_stream(stream_id=stream_id), _send_initial_metadata_done=True
+    )
+    sender = _grpclib.DirectSender.of(stream)
+    assert sender is not None
+    return sender, connection, transport
+
+
+def grpc_framed(message: bytes) -> bytes:
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+@pytest.mark.parametrize("size", [0, 1, 1_000, 16_384 - 5])
+def test_direct_sender_leaves_h2_exactly_as_its_own_send_data(size: int) -> None:
+    """The frame DirectSender writes, both windows, both state machines and the
+    frames-sent hook agree with h2's own send_data of the gRPC-framed message,
+    and the peer reads the message."""
+    (fast, fast_client), (plain, plain_client) = h2_pair(), h2_pair()
+    for server, client in ((fast, fast_client), (plain, plain_client)):
+        responding(server, client)
+        server.data_to_send()
+    message = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    noted: list[int] = []
+    _grpclib.on_frames_sent(fast, lambda: noted.append(1))
+    sender, connection, transport = direct_sender_on(fast)
+    frame = sender.frame_now(message)
+    assert frame is not None
+    sender.write(frame, at_once=True)
+    plain.send_data(1, grpc_framed(message))
+    assert noted == [1] and connection.last_data_sent is not None
+    assert h2_state(fast, 1) == h2_state(plain, 1)
+    assert transport.writes == [plain.data_to_send()]  # straight to the transport
+    received = fast_client.receive_data(transport.writes[0])
+    assert b"".join(e.data for e in received if isinstance(e, DataReceived)) == grpc_framed(message)
+
+
+def test_direct_sender_writes_after_what_h2_holds_and_can_wait_for_the_flush() -> None:
+    """Frames keep their order: with output already in h2's buffer (a PING ACK
+    waiting for the next write) the frame goes behind it; not at once, it waits
+    in h2's buffer for the connection's flush."""
+    server, client = h2_pair()
+    responding(server, client)
+    server.data_to_send()
+    sender, connection, transport = direct_sender_on(server)
+    server.ping(b"12345678")  # something of the connection's already waiting
+    first = sender.frame_now(b"one")
+    assert first is not None
+    sender.write(first, at_once=True)
+    assert len(transport.writes) == 1 and transport.writes[0].endswith(first)
+    second = sender.frame_now(b"two")
+    assert second is not None
+    sender.write(second, at_once=False)
+    assert len(transport.writes) == 1  # waits for the flush
+    connection.flush()
+    assert transport.writes[1] == second
+    events = client.receive_data(bytes(transport.written))
+    data = b"".join(e.data for e in events if isinstance(e, DataReceived))
+    assert data == grpc_framed(b"one") + grpc_framed(b"two")
+
+
+def test_direct_sender_sends_nothing_where_http2_would_not_take_all_of_it_now() -> None:
+    """A short window, a message over the frame size, a paused socket, a closing
+    transport, a closed stream: None, and h2's state as it was."""
+    server, client = h2_pair()
+    responding(server, client)
+    server.data_to_send()
+    sender, connection, transport = direct_sender_on(server)
+    before = h2_state(server, 1)
+    window = server.local_flow_control_window(1)
+    assert sender.frame_now(b"x" * (window - 4)) is None  # 5 bytes of framing: one too many
+    assert sender.frame_now(b"x" * server.max_outbound_frame_size) is None
+    connection.write_ready.clear()
+    assert sender.frame_now(b"x") is None
+    connection.write_ready.set()
+    transport.closing = True
+    assert sender.frame_now(b"x") is None
+    transport.closing = False
+    assert h2_state(server, 1) == before and connection.last_data_sent is None
+    server.end_stream(1)
+    server.data_to_send()
+    assert sender.frame_now(b"late") is None
+    assert server.data_to_send() == b"" and transport.writes == []
+
+
+def test_direct_sender_waits_for_the_response_headers() -> None:
+    server, client = h2_pair()
+    request = [(":method", "POST"), (":scheme", "http"), (":path", "/p"), (":authority", "h")]
+    client.send_headers(1, request, end_stream=True)
+    server.receive_data(client.data_to_send())
+    connection = grpclib.protocol.Connection(
+        server, cast(Any, RecordingTransport()), config=Configuration()
+    )
+    stream: Any = types.SimpleNamespace(
+        _stream=connection.create_stream(stream_id=1), _send_initial_metadata_done=False
+    )
+    assert _grpclib.DirectSender.of(stream) is None
+    stream._send_initial_metadata_done = True
+    assert _grpclib.DirectSender.of(stream) is not None
+
+
+def test_direct_sender_knows_whether_its_stream_is_alone() -> None:
+    server, client = h2_pair()
+    responding(server, client, 1)
+    sender, _, _ = direct_sender_on(server)
+    assert sender.alone
+    responding(server, client, 3)
+    assert not sender.alone
 
 
 def test_the_states_where_pings_and_window_updates_skip_h2s_machines() -> None:
