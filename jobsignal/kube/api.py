@@ -240,28 +240,93 @@ class KubeApi:
                 await response.aclose()
 
     async def _events(self, response: httpx.Response) -> AsyncGenerator[dict[str, Any], None]:
-        lines = response.aiter_lines()
+        chunks = response.aiter_bytes()
+        lines = LineSplitter(MAX_WATCH_LINE_BYTES)
         while True:
             try:
                 with trio.fail_after(self._read_timeout):
-                    line = await anext(lines, None)
+                    ready = await _next_lines(chunks, lines)
             except trio.TooSlowError:
                 raise ApiUnavailable(
                     f"WATCH silent for {self._read_timeout:g}s (no event, no bookmark)"
                 ) from None
             except (httpx.HTTPError, OSError) as error:
                 raise ApiUnavailable(f"WATCH broken: {_describe(error)}") from None
-            if line is None:
+            if not ready:
                 return
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line)
-            except ValueError:
-                raise BadResponse(f"WATCH sent a line that is not JSON: {line[:80]!r}") from None
-            if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
-                raise BadResponse("WATCH sent an event without an object")
-            yield event
+            for line in ready:
+                if not line.strip():
+                    continue
+                try:
+                    # As the API server sends it: UTF-8 (an invalid byte becomes U+FFFD,
+                    # which the store then sees, rather than ending the watch).
+                    event = json.loads(line.decode("utf-8", "replace"))
+                except ValueError:
+                    raise BadResponse(
+                        f"WATCH sent a line that is not JSON: {line[:80]!r}"
+                    ) from None
+                if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+                    raise BadResponse("WATCH sent an event without an object")
+                yield event
+
+
+# The longest line of a WATCH accepted: one event, a ConfigMap of at most 1 MiB
+# of data even with every character JSON-escaped (6 bytes for 1), plus its
+# metadata. A longer one is malformed input, not a reason to buffer without end.
+MAX_WATCH_LINE_BYTES = 8 * 1024 * 1024
+
+
+class LineSplitter:
+    """Splits a byte stream into its lines (each without its `\\n`), holding at
+    most `limit` bytes of a line not yet ended (`BadResponse` beyond)."""
+
+    __slots__ = ("_limit", "_size", "_started")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        # The start of a line not yet ended, in the chunks it came in.
+        self._started: list[bytes] = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The lines that `chunk` ends, in order."""
+        if b"\n" not in chunk:
+            self._hold(chunk)
+            return []
+        lines = chunk.split(b"\n")
+        rest = lines.pop()
+        if self._started:
+            self._started.append(lines[0])
+            lines[0] = b"".join(self._started)
+            if len(lines[0]) > self._limit:
+                raise self._too_long()
+        self._started, self._size = [], 0
+        self._hold(rest)
+        return lines
+
+    def finish(self) -> list[bytes]:
+        """The last line, when the stream ended without its newline."""
+        last = b"".join(self._started)
+        self._started, self._size = [], 0
+        return [last] if last else []
+
+    def _hold(self, part: bytes) -> None:
+        if part:
+            self._started.append(part)
+            self._size += len(part)
+            if self._size > self._limit:
+                raise self._too_long()
+
+    def _too_long(self) -> BadResponse:
+        return BadResponse(f"WATCH sent a line over {self._limit} bytes")
+
+
+async def _next_lines(chunks: AsyncIterator[bytes], lines: LineSplitter) -> list[bytes]:
+    """Read until at least one line ends; none once the stream has ended."""
+    async for chunk in chunks:
+        if ready := lines.feed(chunk):
+            return ready
+    return lines.finish()
 
 
 async def _read_bounded(response: httpx.Response, limit: int = 64 * 1024) -> bytes:
