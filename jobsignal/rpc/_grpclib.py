@@ -35,7 +35,8 @@ Last, the hot paths of a subscription, each checked against h2's own:
 `send_now` queues its DATA frames into h2 the way h2's own `send_data` does
 (state machines, both windows, the output buffer) without building a
 hyperframe frame object, the largest cost of a delivery after the system
-call (docs/architecture.md section 6); `receive_pings_and_window_updates`
+call (docs/architecture.md section 6), and `DirectSender` writes one whole
+message from `publish` in one piece; `receive_pings_and_window_updates`
 takes the PING and WINDOW_UPDATE frames a client answers each message with
 the way h2's `receive_data` would (section 8).
 """
