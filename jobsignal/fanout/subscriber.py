@@ -7,7 +7,8 @@ to the consumer's direct sink (`deliver_directly`): a gRPC stream whose
 HTTP/2 window is open takes the message there and then, from `publish`, and
 no task is woken for it (docs/architecture.md section 6).
 
-When a consumer falls behind, queued messages of the same job are coalesced
+When a consumer falls behind (a live backlog of more than `COALESCE_ABOVE`
+entries, or the hard bounds), queued messages of the same job are coalesced
 (every message carries the whole state of its job, so the newest one is
 enough). A consumer still too far behind after coalescing is ended with
 `EndReason.SLOW` and its queue dropped at once, so one stuck consumer can never
@@ -57,6 +58,13 @@ class EndReason(enum.Enum):
 # Snapshot batches are never coalesced: each carries different jobs.
 UNIQUE: Hashable = None
 
+# A live backlog longer than this is coalesced (the newest state of each job
+# wins) long before the hard bound: a consumer a little behind then gets its
+# jobs' newest states next instead of working through stale ones first. The
+# next time is at twice what coalescing left, so a backlog of distinct jobs
+# costs O(1) per push.
+COALESCE_ABOVE = 64
+
 #: What a queue holds; its `len()` is what it charges against the byte bound.
 P = TypeVar("P", bound=Sized)
 
@@ -72,6 +80,7 @@ class BoundedQueue(Generic[P]):
 
     __slots__ = (
         "_cancel_scope",
+        "_coalesce_above",
         "_direct",
         "_max_pending",
         "_max_pending_bytes",
@@ -99,6 +108,7 @@ class BoundedQueue(Generic[P]):
         # does not count against the limits: only a live backlog on top of it does.
         self._owed = 0
         self._owed_bytes = 0
+        self._coalesce_above = COALESCE_ABOVE
         # The consumer's task while it waits for entries, rescheduled by the next
         # push: no trio Event per queue (and per wake-up). Others that wait at the
         # same time (an embedder's tasks sharing one JobEvents) wait in a list
@@ -139,11 +149,12 @@ class BoundedQueue(Generic[P]):
             return
         self._pending.append(entry)
         self._pending_bytes += len(entry[1])
-        if self._over_limits():
+        if self._over_limits() or len(self._pending) - self._owed > self._coalesce_above:
             self._coalesce()
             if self._over_limits(after_coalescing=True):
                 self.end(EndReason.SLOW)
                 return
+            self._coalesce_above = max(COALESCE_ABOVE, 2 * (len(self._pending) - self._owed))
         self._parked = False  # the consumer is woken: what follows queues behind this
         self._wake()
 
@@ -237,6 +248,8 @@ class BoundedQueue(Generic[P]):
             delivered_owed = frames[: self._owed]
             self._owed -= len(delivered_owed)
             self._owed_bytes -= sum(len(frame) for frame in delivered_owed)
+        if not self._pending:
+            self._coalesce_above = COALESCE_ABOVE
         return frames, seen
 
     async def _wait(self) -> None:

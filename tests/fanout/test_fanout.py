@@ -11,6 +11,7 @@ import trio
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list, signal_message
+from jobsignal.fanout.subscriber import COALESCE_ABOVE, Subscriber
 from tests.support.factories import make_job
 from tests.support.grpcio import expected_signal
 
@@ -66,6 +67,50 @@ async def test_slow_subscriber_is_coalesced_then_ended() -> None:
     broadcaster.publish([small_job(job_id=str(i)) for i in range(6)])
     assert slow.end_reason is EndReason.SLOW
     assert slow.pending == 0 and slow.pending_bytes == 0
+
+
+async def test_a_backlog_past_the_soft_bound_is_coalesced_long_before_the_limit() -> None:
+    """A consumer a little behind gets its jobs' newest states next: past
+    COALESCE_ABOVE live entries the queue keeps only the newest of each job,
+    far below --max-pending-messages."""
+    broadcaster = Broadcaster(max_pending=1024)
+    sub = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "x", snapshot=False)
+    for i in range(COALESCE_ABOVE):
+        broadcaster.publish([small_job(job_id=str(i % 3), status=f"s{i}")])
+    assert sub.pending == COALESCE_ABOVE and sub.coalesced == 0  # at the bound: kept
+    broadcaster.publish([small_job(job_id="0", status="newest")])
+    assert sub.pending == 3 and sub.coalesced == COALESCE_ABOVE + 1 - 3
+    newest = {s.job_id: s.job_status for s in map(JobSummarySignal.parse, sub.take(10)[0])}
+    assert newest == {"0": "newest", "1": f"s{COALESCE_ABOVE - 3}", "2": f"s{COALESCE_ABOVE - 2}"}
+    assert sub.end_reason is None
+
+
+async def test_a_backlog_of_distinct_jobs_is_scanned_only_when_it_doubles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing to coalesce (every entry a different job): the soft bound moves
+    to twice the backlog, so pushes stay O(1) amortized; once the queue is
+    drained it is back at COALESCE_ABOVE."""
+    broadcaster = Broadcaster(max_pending=100_000)
+    sub = broadcaster.subscribe(StreamKind.SIGNAL, "CCAgent", "x", snapshot=False)
+    scans: list[int] = []
+    coalesce = Subscriber._coalesce
+
+    def counted(queue: Subscriber) -> None:
+        scans.append(queue.pending)
+        coalesce(queue)
+
+    monkeypatch.setattr(Subscriber, "_coalesce", counted)
+    for i in range(4_000):
+        broadcaster.publish([small_job(job_id=str(i))])
+    assert sub.pending == 4_000 and sub.coalesced == 0
+    assert scans == [65, 131, 263, 527, 1055, 2111]  # each at twice the last, plus one
+    while sub.pending:
+        sub.take(1_000)
+    for i in range(COALESCE_ABOVE + 1):
+        broadcaster.publish([small_job(job_id="same", status=str(i))])
+    assert len(scans) == 7 and scans[-1] == COALESCE_ABOVE + 1
+    assert len(sub.take(10)[0]) == 1  # the newest of the one job
 
 
 async def test_byte_limit_ends_a_subscriber() -> None:
