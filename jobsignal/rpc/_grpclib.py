@@ -58,7 +58,6 @@ from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.protocol import Stream as ProtocolStream
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
-from h2.errors import ErrorCodes
 from h2.events import (
     Event,
     PingAckReceived,
@@ -658,18 +657,6 @@ def stream_closed(stream: ServerStream) -> bool:
     stream_id = h2_stream.id
     state = h2_stream._h2_connection.streams.get(stream_id) if stream_id is not None else None
     return state is None or bool(state.closed)
-
-
-def reset_instead_of_trailers(stream: ServerStream, error_code: ErrorCodes) -> None:
-    """End a server stream with RST_STREAM `error_code` where it would send trailers,
-    and keep grpclib from sending them after it (its own `cancel` resets with
-    NO_ERROR, which clients read as INTERNAL). Nothing goes out on a stream
-    HTTP/2 has closed already; a paused socket gets the frame with the
-    connection's next flush."""
-    protocol_stream = stream._stream
-    if protocol_stream.closable:
-        protocol_stream.reset_nowait(error_code)
-    stream._cancel_done = True
 
 
 # -- grpclib's event processing ------------------------------------------------------------------

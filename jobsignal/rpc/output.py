@@ -47,9 +47,7 @@ TURN_BUDGET = 256 * 1024
 
 
 @dataclass(eq=False)
-class Turn:
-    """A stream's data waiting its turn on the connection; `sent` bytes of it are out."""
-
+class _Waiting:
     stream: Stream
     data: memoryview
     sent: int = 0
@@ -161,7 +159,7 @@ class ConnectionOutput:
         self._written_in_turn = -1
         self._pump_scheduled = False
         # Not a deque: one costs 760 bytes on every idle connection.
-        self._waiting: Fifo[Turn] = Fifo()
+        self._waiting: Fifo[_Waiting] = Fifo()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -219,18 +217,18 @@ class ConnectionOutput:
         self._late_scheduled = False
         self._flush_now()
 
-    async def send_in_turn(self, turn: Turn) -> None:
-        """Send `turn.data` on `turn.stream`, taking turns with the connection's other
-        waiting streams. When this is cancelled, `turn.sent` tells how much went out."""
-        self._waiting.append(turn)
+    async def send_in_turn(self, stream: Stream, data: memoryview) -> None:
+        """Send `data` on `stream`, taking turns with the connection's other waiting streams."""
+        entry = _Waiting(stream, data)
+        self._waiting.append(entry)
         self.pump()
         try:
-            await turn.done.wait()
+            await entry.done.wait()
         finally:
-            if not turn.done.is_set():
+            if not entry.done.is_set():
                 with contextlib.suppress(ValueError):
-                    self._waiting.remove(turn)
-        if turn.closed:
+                    self._waiting.remove(entry)
+        if entry.closed:
             raise StreamTerminatedError("the stream closed while its data waited")
 
     def pump(self) -> None:

@@ -23,7 +23,6 @@ import grpclib.server
 import h2.exceptions
 import trio
 from grpclib.exceptions import GRPCError, StreamTerminatedError
-from h2.errors import ErrorCodes
 
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
@@ -45,12 +44,6 @@ Handler = Callable[[Stream], Awaitable[None]]
 # How grpclib itself ends a stream (a status we chose, the client's reset, a
 # deadline, a peer that broke the protocol): not faults of ours.
 _STREAM_ENDINGS = (GRPCError, StreamTerminatedError, TimeoutError, h2.exceptions.ProtocolError)
-
-# The RST_STREAM code that ends a stream cut off in the middle of a message, by
-# why it ended (else CANCEL): clients read ENHANCE_YOUR_CALM as
-# RESOURCE_EXHAUSTED, the status a slow client gets otherwise, and CANCEL as
-# CANCELLED.
-RESET_CODES = {EndReason.SLOW: ErrorCodes.ENHANCE_YOUR_CALM}
 
 REGISTERED = 200
 TOO_MANY_CLIENTS = 429
@@ -240,12 +233,7 @@ class JobService:
                     kind, request.role, request.client_id, activity, writer.write, writer.write_now
                 )
             )
-            if writer.mid_message:
-                # Trailers after part of a message would read as a broken message
-                # (INTERNAL); a reset at least names the reason where HTTP/2 can.
-                writer.reset(RESET_CODES.get(end.reason, ErrorCodes.CANCEL))
-            else:
-                await stream.send_trailing_metadata(status=end.status, status_message=end.message)
+            await stream.send_trailing_metadata(status=end.status, status_message=end.message)
             if end.close_connection_if_unused:
                 self.connections.close_if_unused(stream)
         finally:

@@ -20,10 +20,9 @@ from typing import Any
 import grpclib.server
 import trio
 import trio_asyncio
-from h2.errors import ErrorCodes
 
 from jobsignal.rpc import _grpclib
-from jobsignal.rpc.output import ConnectionOutput, Turn
+from jobsignal.rpc.output import ConnectionOutput
 from jobsignal.rpc.session import SendTimedOut
 
 Stream = grpclib.server.Stream[Any, Any]
@@ -44,7 +43,7 @@ def frame(frames: list[bytes]) -> bytes:
 class StreamWriter:
     """Writes one server stream's batches through its connection's output."""
 
-    __slots__ = ("_loop", "_output", "_send_timeout", "_sender", "_stream", "mid_message")
+    __slots__ = ("_loop", "_output", "_send_timeout", "_sender", "_stream")
 
     def __init__(
         self,
@@ -61,9 +60,6 @@ class StreamWriter:
         self._loop = loop
         # Made at the first `write_now` after the response headers went out.
         self._sender: _grpclib.DirectSender | None = None
-        # The last batch stopped part-way through (see `write`): the stream can
-        # only be reset now, not ended with trailers.
-        self.mid_message = False
 
     async def write(self, frames: list[bytes]) -> bool:
         """Write a batch; True when it all went out without waiting.
@@ -86,24 +82,11 @@ class StreamWriter:
             sent = await self._queue_slices(data)
         if sent == len(data):
             return True
-        turn = Turn(self._stream, data[sent:])
-        try:
-            with trio.move_on_after(self._send_timeout) as waited:
-                await self._output.send_in_turn(turn)
-        finally:
-            # Cut short (the send timeout, or the stream ended meanwhile), part
-            # of a message may be out: trailers must not follow it.
-            self.mid_message = 0 < sent + turn.sent < len(data)
+        with trio.move_on_after(self._send_timeout) as waited:
+            await self._output.send_in_turn(self._stream, data[sent:])
         if waited.cancelled_caught:
             raise SendTimedOut
         return False
-
-    def reset(self, error_code: ErrorCodes) -> None:
-        """End the stream with RST_STREAM `error_code` instead of trailers: the only
-        way to end it once `mid_message` (the frame goes out at the end of the
-        loop turn at the latest)."""
-        _grpclib.reset_instead_of_trailers(self._stream, error_code)
-        self._output.schedule_flush()
 
     def write_now(self, message: bytes) -> bool:
         """Send one message if HTTP/2 takes all of it now; otherwise send nothing

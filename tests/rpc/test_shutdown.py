@@ -8,13 +8,8 @@ from __future__ import annotations
 import gc
 import warnings
 
-import grpclib.const
-import pytest
 import trio
-from h2.errors import ErrorCodes
-from hyperframe.frame import DataFrame, WindowUpdateFrame
 
-from jobsignal._proto.job import Status
 from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
@@ -22,7 +17,7 @@ from tests.support.factories import make_job
 from tests.support.grpc_server import ServerHarness, local_settings, open_jobsignal_server
 from tests.support.waiting import wait_until
 
-from .test_hostile_h2 import RawPeer, grpc_request_headers, raw_peer, register_body
+from .test_hostile_h2 import RawPeer, raw_peer
 
 WAIT = 10.0
 
@@ -118,68 +113,3 @@ async def receive_or_reset(stream: trio.SocketStream) -> bytes:
         return await stream.receive_some(1 << 20)
     except trio.BrokenResourceError:  # aborted: the server's kernel sent RST
         return b""
-
-
-async def slow_subscription(peer: RawPeer, server: ServerHarness, stream_window: int) -> None:
-    """Register, then subscribe on stream 3 with `stream_window` bytes of window that
-    the peer never opens further (it keeps reading, so only the window holds the
-    server back), and publish an event larger than that window."""
-    await peer.handshake(initial_window_size=stream_window)
-    await peer.send(
-        peer.headers_frame(1, grpc_request_headers(peer.port)),
-        DataFrame(1, register_body("DefaultUser1"), flags=["END_STREAM"]),
-        WindowUpdateFrame(1, window_increment=1_000),  # room for the Register reply
-    )
-    await peer.read_until(lambda p: 1 in p.ended_streams())
-    client_id = Status.parse(b"".join(peer.data_frames(1))[5:]).client_id
-    await peer.subscribe(3, "DefaultUser1", client_id)
-    await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
-    server.broadcaster.publish([make_job(0, npus=256)])
-
-
-@pytest.mark.parametrize("stream_window", [0, 1_000], ids=["nothing_sent", "part_sent"])
-async def test_a_slow_stream_cut_off_mid_message_is_reset_instead_of_ended_with_trailers(
-    stream_window: int,
-) -> None:
-    """Trailers after part of a message would make the client fail to decode it
-    (INTERNAL); the server resets such a stream with ENHANCE_YOUR_CALM, which gRPC
-    clients read as RESOURCE_EXHAUSTED. A batch of which nothing went out still
-    ends with trailers and their message."""
-    send_timeout = 0.5
-    settings = local_settings(
-        protocol_limits=ProtocolLimits(write_stall_timeout=600.0),
-        session=SessionSettings(send_timeout=send_timeout),
-    )
-    async with open_jobsignal_server(settings) as server, raw_peer(server.port) as peer:
-        await slow_subscription(peer, server, stream_window)
-        await peer.read_until(
-            lambda p: 3 in p.resets() or 3 in p.ended_streams(), within=send_timeout + WAIT
-        )
-        assert server.broadcaster.stats.stream_ends["slow"] == 1
-        sent = sum(len(data) for data in peer.data_frames(3))
-        assert sent == stream_window  # the window's worth of the message, no more
-        trailers = dict(peer.headers[3])
-        if stream_window:
-            assert peer.resets()[3] == ErrorCodes.ENHANCE_YOUR_CALM
-            assert "grpc-status" not in trailers
-        else:
-            assert trailers["grpc-status"] == str(grpclib.const.Status.RESOURCE_EXHAUSTED.value)
-            assert "fell too far behind" in trailers["grpc-message"]
-
-
-async def test_a_stream_replaced_mid_message_is_reset_with_cancel() -> None:
-    """The same for a stream that ends otherwise mid-message, here replaced by a
-    newer subscription with its clientId: RST_STREAM CANCEL, not ABORTED trailers."""
-    settings = local_settings(
-        protocol_limits=ProtocolLimits(write_stall_timeout=600.0),
-        session=SessionSettings(send_timeout=600.0),
-    )
-    async with open_jobsignal_server(settings) as server, raw_peer(server.port) as peer:
-        await slow_subscription(peer, server, 1_000)
-        await peer.read_until(lambda p: len(p.data_frames(3)) > 0)
-        (subscriber,) = server.broadcaster.subscribers
-        await peer.subscribe(5, "DefaultUser1", subscriber.client_id)
-        await peer.read_until(lambda p: 3 in p.resets())
-        assert peer.resets()[3] == ErrorCodes.CANCEL
-        assert "grpc-status" not in dict(peer.headers[3])
-        assert server.broadcaster.stats.stream_ends["replaced"] == 1
