@@ -305,6 +305,12 @@ def _kube_families(counters: WatchCounters) -> Iterator[Metric]:
         " (a bug: logged with its traceback); the event or LIST is skipped.",
         value=counters.apply_errors,
     )
+    yield CounterMetricFamily(
+        "jobsignal_store_rank_tables_over_cap_total",
+        "Job events served without HcclJson because the rank table joined from the job's"
+        " ConfigMaps was over 64 Mi characters (logged, rate-limited).",
+        value=counters.rank_tables_over_cap,
+    )
 
 
 def build_registry(sources: MetricSources, build: BuildInfo | None = None) -> CollectorRegistry:

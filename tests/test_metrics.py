@@ -75,6 +75,7 @@ JOBSIGNAL_FAMILIES = {
     "jobsignal_kube_relists": "counter",
     "jobsignal_kube_errors": "counter",
     "jobsignal_store_apply_errors": "counter",
+    "jobsignal_store_rank_tables_over_cap": "counter",
     "jobsignal_last_sync_timestamp_seconds": "gauge",
     "jobsignal_source_in_sync": "gauge",
 }
@@ -318,6 +319,7 @@ def test_each_watcher_counter_is_exactly_one_series() -> None:
         "bookmarks": ("jobsignal_kube_watch_bookmarks_total", {}),
         "errors": ("jobsignal_kube_errors_total", {}),
         "apply_errors": ("jobsignal_store_apply_errors_total", {}),
+        "rank_tables_over_cap": ("jobsignal_store_rank_tables_over_cap_total", {}),
     }
 
 

@@ -38,7 +38,7 @@ from jobsignal.logs import RateLimitedLog
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 from jobsignal.store.configmap import BadConfigMap
-from jobsignal.store.jobs import Changes
+from jobsignal.store.jobs import MAX_JOINED_RANK_TABLE_CHARS, Changes
 from jobsignal.store.model import JobSummary
 from jobsignal.text import quote
 
@@ -92,6 +92,9 @@ class WatchCounters:
     errors: int = 0
     # Watch events or LISTs whose application to the store failed unexpectedly.
     apply_errors: int = 0
+    # Job events served without HcclJson: the rank table joined from the job's
+    # ConfigMaps was over the store's cap (only a hostile job comes near it).
+    rank_tables_over_cap: int = 0
 
 
 # Where the watcher hands job events: `Broadcaster.publish` in a server. The
@@ -348,6 +351,17 @@ class Watcher:
     def _publish(self, changes: Changes) -> None:
         for problem in changes.rejected:
             self._log_rejection(problem)
+        for job in changes.tables_over_cap:
+            self.counters.rank_tables_over_cap += 1
+            self._faults.warning(
+                "rank_table_over_cap",
+                "job %s/%s: its rank table, joined from %s ConfigMaps, is over %d characters;"
+                " served without HcclJson",
+                quote(job.namespace, 80),
+                quote(job.job_id, 80),
+                job.total,
+                MAX_JOINED_RANK_TABLE_CHARS,
+            )
         # Every event the store emitted is published before the next
         # checkpoint: snapshots are built from the store's state, so a
         # subscriber arriving in between would get an event its snapshot

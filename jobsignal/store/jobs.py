@@ -62,11 +62,15 @@ class Changes:
     events: list[JobSummary] = field(default_factory=list)
     rejected: list[BadConfigMap] = field(default_factory=list)
     live_counts: list[int] = field(default_factory=list)
+    # Those of `events` served without HcclJson: the rank table joined from the
+    # job's ConfigMaps would be over MAX_JOINED_RANK_TABLE_CHARS.
+    tables_over_cap: list[JobSummary] = field(default_factory=list)
 
     def extend(self, other: Changes) -> None:
         self.events += other.events
         self.rejected += other.rejected
         self.live_counts += other.live_counts
+        self.tables_over_cap += other.tables_over_cap
 
 
 def checked_parse(
@@ -92,7 +96,7 @@ class JobSlices:
     slices carry at most one distinct rank-table header.
     """
 
-    __slots__ = ("_at_index", "_duplicated", "_fields", "_headers", "members")
+    __slots__ = ("_at_index", "_duplicated", "_fields", "_headers", "members", "table_over_cap")
 
     def __init__(self) -> None:
         self.members: dict[ConfigMapRef, Slice] = {}
@@ -101,6 +105,8 @@ class JobSlices:
         # Plain dicts, not Counters: a relist creates one of these per job.
         self._fields: dict[JobFields, int] = {}
         self._headers: dict[JobFields, dict[Header, int]] = {}
+        # The last `state()` left out a joined rank table over the cap.
+        self.table_over_cap = False
 
     def __len__(self) -> int:
         return len(self.members)
@@ -150,7 +156,8 @@ class JobSlices:
             return None  # slices from different rewrites of the rank table
         pieces = [self._at_index[index][0] for index in range(fields.total)]
         header = next(iter(headers)) if headers else None
-        return _summary(first, pieces, header)
+        state, self.table_over_cap = _summary(first, pieces, header)
+        return state
 
 
 def _decrement(counts: dict[Any, int], key: Any) -> None:
@@ -170,16 +177,16 @@ def assemble(slices: Iterable[Slice]) -> JobSummary | None:
     return group.state()
 
 
-def _summary(first: Slice, pieces: list[Slice], header: Header | None) -> JobSummary:
+def _summary(first: Slice, pieces: list[Slice], header: Header | None) -> tuple[JobSummary, bool]:
+    """The job's state, and whether its joined rank table was left out (over the cap)."""
     total = first.fields.total
+    joined: str | None = ""
     if total == 1:
-        hccl_json = first.hccl_raw
+        joined = first.hccl_raw
     elif header is not None:
-        hccl_json = _join_rank_table(header, pieces)
-    else:
-        hccl_json = ""
+        joined = _join_rank_table(header, pieces)
     f = first.fields
-    return JobSummary(
+    summary = JobSummary(
         namespace=first.ref.namespace,
         job_id=f.job_id,
         job_name=f.job_name,
@@ -187,7 +194,7 @@ def _summary(first: Slice, pieces: list[Slice], header: Header | None) -> JobSum
         job_status=f.job_status,
         time=f.time,
         total=str(total),
-        hccl_json=hccl_json,
+        hccl_json=joined or "",
         delete_time=f.delete_time,
         shared_tor_ip=f.shared_tor_ip,
         master_addr=f.master_addr,
@@ -195,6 +202,7 @@ def _summary(first: Slice, pieces: list[Slice], header: Header | None) -> JobSum
         sid=f.sid,
         npu_count=sum(s.npu_count for s in pieces),
     )
+    return summary, joined is None
 
 
 # A whole job's rank table joined from its slices is at most this long; a
@@ -204,10 +212,11 @@ def _summary(first: Slice, pieces: list[Slice], header: Header | None) -> JobSum
 MAX_JOINED_RANK_TABLE_CHARS = 64 * 1024 * 1024
 
 
-def _join_rank_table(header: Header, pieces: list[Slice]) -> str:
+def _join_rank_table(header: Header, pieces: list[Slice]) -> str | None:
+    """The whole rank table, or None when it would be over MAX_JOINED_RANK_TABLE_CHARS."""
     size = sum(len(server) + 1 for piece in pieces for server in piece.servers)
     if size > MAX_JOINED_RANK_TABLE_CHARS:
-        return ""
+        return None
     servers = ",".join(server for piece in pieces for server in piece.servers)
     parts = []
     for key, value in header:
@@ -440,6 +449,8 @@ class JobStore:
                 # job first seen already deleted is recorded silently.
                 if not state.is_deleted or (previous is not None and not previous.is_deleted):
                     self._emit(changes, state)
+                    if group is not None and group.table_over_cap:
+                        changes.tables_over_cap.append(state)
         elif key in lost and previous is not None and not previous.is_deleted:
             ended = previous.as_deleted(str(int(now)))
             self._record(key, previous, ended)

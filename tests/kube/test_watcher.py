@@ -41,6 +41,7 @@ from jobsignal.sim.emulator import (
     open_emulator,
 )
 from jobsignal.status import SourceStatus
+from jobsignal.store import jobs
 from tests.support.cluster import SELECTOR, Cluster, expected_summary, hccl
 from tests.support.events import assert_no_duplicates, assert_replays
 from tests.support.factories import clusterd_job
@@ -700,3 +701,28 @@ async def test_label_selector_ignores_other_configmaps_and_a_removed_label_ends_
             expected_summary(a, "running"),
         ]
         check_faithful(harness, cluster, exact=True)
+
+
+async def test_a_job_served_without_its_joined_table_is_logged_and_counted(
+    io_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A split job whose joined rank table is over the store's cap is served
+    without it (tests/store/test_jobs.py); the watcher says so in a warning and
+    in jobsignal_store_rank_tables_over_cap_total."""
+    monkeypatch.setattr(jobs, "MAX_JOINED_RANK_TABLE_CHARS", 100)
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        cluster.write(clusterd_job("big", servers=10, servers_per_configmap=4), "running")
+        cluster.write(clusterd_job("small"), "running")  # one ConfigMap: served as written
+        async with open_watcher(emu) as harness:
+            await harness.watch_open()
+            counters = harness.watcher.counters
+            await wait_until(lambda: counters.rank_tables_over_cap == 1)
+            assert {job.job_name: bool(job.hccl_json) for job in harness.store.live_jobs()} == {
+                "big": False,
+                "small": True,
+            }
+    [warning] = [r for r in caplog.records if "served without HcclJson" in r.getMessage()]
+    assert "'ns'/'uid-big'" in warning.getMessage() and "3 ConfigMaps" in warning.getMessage()

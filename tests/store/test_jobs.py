@@ -80,16 +80,26 @@ def test_a_joined_rank_table_over_the_cap_is_served_empty(
     pieces = job.configmaps("running")
     store = JobStore()
     for piece in pieces:
-        events = store.apply(ADDED, configmap("ns", *piece), NOW).events
-    [whole] = events
+        changes = store.apply(ADDED, configmap("ns", *piece), NOW)
+    [whole] = changes.events
+    assert changes.tables_over_cap == []
     size = len(whole.hccl_json)
     monkeypatch.setattr(jobs, "MAX_JOINED_RANK_TABLE_CHARS", size // 2)
     capped = JobStore()
     for piece in pieces:
-        events = capped.apply(ADDED, configmap("ns", *piece), NOW).events
-    [event] = events
-    # The job itself is served, with its state and NPU count, but no table.
+        changes = capped.apply(ADDED, configmap("ns", *piece), NOW)
+    [event] = changes.events
+    # The job itself is served, with its state and NPU count, but no table,
+    # and the store says so (the watcher logs and counts it).
     assert (event.hccl_json, event.job_status, event.npu_count) == ("", "running", 80)
+    assert changes.tables_over_cap == [event]
+    # Each later event of the job without its table is reported again.
+    status = configmap("ns", *job.configmaps("complete")[0])
+    assert capped.apply(MODIFIED, status, NOW).events == []  # the others still say running
+    for piece in job.configmaps("complete")[1:]:
+        changes = capped.apply(MODIFIED, configmap("ns", *piece), NOW)
+    [done] = changes.events
+    assert done.job_status == "complete" and changes.tables_over_cap == [done]
 
 
 def test_unknown_rank_table_keys_are_kept() -> None:
