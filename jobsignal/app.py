@@ -199,6 +199,7 @@ def metric_sources(
     return MetricSources(
         fanout=broadcaster.stats,
         subscribers_by_kind_and_role=subscribers,
+        in_process_consumers=lambda: len(broadcaster.event_queues),
         registered_ids=lambda: len(registry),
         registrations_expired=lambda: registry.expired_total,
         connections=lambda: len(server.connections),

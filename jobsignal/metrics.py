@@ -45,6 +45,7 @@ class MetricSources:
 
     fanout: FanoutStats
     subscribers_by_kind_and_role: Callable[[], Counter[tuple[str, str]]]
+    in_process_consumers: Callable[[], int]
     registered_ids: Callable[[], int]
     registrations_expired: Callable[[], int]
     connections: Callable[[], int]
@@ -118,6 +119,12 @@ class JobsignalCollector(Collector):
         for (kind, role), count in sorted(sources.subscribers_by_kind_and_role().items()):
             subscribers.add_metric([kind, role], count)
         yield subscribers
+        yield GaugeMetricFamily(
+            "jobsignal_in_process_consumers",
+            "Consumers of job events in this process (jobsignal.watch_jobs,"
+            " RunningJobsignal.open_subscription), each with a queue like a subscription's.",
+            value=sources.in_process_consumers(),
+        )
         yield GaugeMetricFamily(
             "jobsignal_registered_ids",
             "Registered client ids (waiting for their subscription or subscribed).",

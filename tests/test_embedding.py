@@ -13,6 +13,7 @@ import pytest
 import trio
 
 import jobsignal
+from tests.support.metrics import scrape
 
 ROOT = Path(__file__).parent.parent
 
@@ -102,6 +103,11 @@ async def test_a_running_server_reports_its_addresses_readiness_and_end() -> Non
             assert server.metrics_port != server.port
             await server.ready.wait()  # the demo cluster's first LIST is applied
             assert not server.stopped.is_set()
+            # An in-process consumer shows in the metrics, and goes when it leaves.
+            async with server.open_subscription(snapshot=False):
+                scraped = await scrape(server.metrics_port)
+                assert scraped.value("jobsignal_in_process_consumers") == 1
+            assert (await scrape(server.metrics_port)).value("jobsignal_in_process_consumers") == 0
             server.request_shutdown()
             await server.stopped.wait()
 

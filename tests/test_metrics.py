@@ -48,6 +48,7 @@ def more_than(items: list[str], count: int) -> bool:
 JOBSIGNAL_FAMILIES = {
     "jobsignal_build_info": "gauge",  # the text format has no info type
     "jobsignal_subscribers": "gauge",
+    "jobsignal_in_process_consumers": "gauge",
     "jobsignal_registered_ids": "gauge",
     "jobsignal_registrations_expired": "counter",
     "jobsignal_connections": "gauge",
@@ -188,6 +189,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
     assert run.series("jobsignal_subscribers") == {
         frozenset({("rpc", "SubscribeJobSummarySignal"), ("role", "CCAgent")}): 1
     }
+    assert run.value("jobsignal_in_process_consumers") == 0
     assert run.value("jobsignal_registered_ids") == 1  # FdAgent's id ended with its stream
     assert run.value("jobsignal_registrations_expired_total") == 0
     assert run.value("jobsignal_connections") == 1
@@ -270,6 +272,7 @@ def sources_with(
     """MetricSources reading fixed values (all zero or empty unless given)."""
     defaults: dict[str, object] = {
         "subscribers_by_kind_and_role": Counter(),
+        "in_process_consumers": 0,
         "registered_ids": 0,
         "registrations_expired": 0,
         "connections": 0,
