@@ -174,11 +174,11 @@ def _response(conn: h11.Connection, reply: Reply, *, with_body: bool) -> bytes:
 class _Connection:
     """One accepted connection: its h11 state, who it is, what was sent."""
 
-    def __init__(self, stream: trio.SocketStream, stats: HttpStats) -> None:
+    def __init__(self, stream: trio.SocketStream, stats: HttpStats, peer: Peer) -> None:
         self.stream = stream
         self.stats = stats
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
-        self.peer = _peer_of(stream)
+        self.peer = peer.text
         self.response_started = False
 
     async def send(self, reply: Reply, *, with_body: bool = True) -> None:
@@ -268,20 +268,21 @@ async def _close_gently(stream: trio.SocketStream) -> None:
         await trio.aclose_forcefully(stream)
 
 
-def _peer_of(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-    except (OSError, ValueError):
-        return "unknown peer"
-    return f"{host}:{port}"
+@dataclass(frozen=True)
+class Peer:
+    """Who is connected: the address its connections are counted by (one key for
+    every peer whose address is unknown) and the text its log lines name."""
 
+    address: str
+    text: str
 
-def _address_of(stream: trio.SocketStream) -> str:
-    """The peer's IP address (one key for every peer whose address is unknown)."""
-    try:
-        return str(stream.socket.getpeername()[0])
-    except (OSError, ValueError, IndexError):
-        return "unknown"
+    @classmethod
+    def of(cls, stream: trio.SocketStream) -> Peer:
+        try:
+            host, port = stream.socket.getpeername()[:2]
+        except (OSError, ValueError):
+            return cls("unknown", "unknown peer")
+        return cls(str(host), f"{host}:{port}")
 
 
 async def serve_connection(
@@ -289,9 +290,11 @@ async def serve_connection(
     metrics: Collector,
     stats: HttpStats,
     readiness: Readiness = _always_ready,
+    peer: Peer | None = None,
 ) -> None:
-    """Answer one request on `stream`; raises nothing but cancellation."""
-    connection = _Connection(stream, stats)
+    """Answer one request on `stream` from `peer` (read from the socket if not
+    given); raises nothing but cancellation."""
+    connection = _Connection(stream, stats, peer or Peer.of(stream))
     try:
         await connection.exchange(metrics, readiness)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -330,7 +333,8 @@ async def run_metrics_server(
     connections = ConnectionCounter(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS)
 
     async def handler(stream: trio.SocketStream) -> None:
-        address = _address_of(stream)
+        peer = Peer.of(stream)
+        address = peer.address
         refusal = connections.refusal(address)
         if refusal is not None:
             stats.errors["too_many_connections"] += 1
@@ -339,7 +343,7 @@ async def run_metrics_server(
             return
         connections.opened(address)
         try:
-            await serve_connection(stream, metrics, stats, readiness)
+            await serve_connection(stream, metrics, stats, readiness, peer)
         finally:
             connections.closed(address)
 
