@@ -111,13 +111,13 @@ def test_broadcasters_give_the_same_events_the_same_ids() -> None:
     assert len(set(first)) == 3
 
 
-def test_a_snapshot_carries_the_id_of_the_event_that_produced_the_state() -> None:
+async def test_a_snapshot_carries_the_id_of_the_event_that_produced_the_state() -> None:
     broadcaster = Broadcaster()
     broadcaster.publish([expected_summary(JOB, "pending"), running()], seen_at=0.0)
     (latest,) = broadcaster.latest()
     assert latest.uuid == event_id(running())
     subscriber = broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "f", snapshot=True)
-    (frame,) = [entry[1] for entry in list(subscriber._pending)]
+    (frame,) = await subscriber.next_batch(10)
     assert JobSummarySignal.parse(frame).uuid == latest.uuid
 
 

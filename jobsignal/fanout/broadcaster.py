@@ -3,8 +3,9 @@
 `publish()` is synchronous and never waits: it encodes each event once per
 message type and pushes the same bytes into every subscriber's queue, through
 the pacer (`fanout/pacing.py`), which spreads a large fan-out over loop turns.
-Subscribing and taking the snapshot happen in one synchronous step, so no
-event can fall between the snapshot and the live stream.
+Subscribing fixes which job states a new subscriber's snapshot holds, in
+one synchronous step, so no event can fall between the snapshot and the live
+stream; the subscriber's own task makes it, in slices (fanout/snapshot.py).
 
 The broadcaster keeps no job state of its own (docs/architecture.md section
 4, "Who owns the job state"): snapshots, `job_count()` and `latest()` read
@@ -34,9 +35,11 @@ import trio
 from jobsignal.config import DEFAULTS, Config
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
 from jobsignal.fanout.pacing import FanOutPacer, Groups
+from jobsignal.fanout.snapshot import OwedSnapshot, sliced
 from jobsignal.fanout.stats import FanoutStats
 from jobsignal.fanout.subscriber import (
     UNIQUE,
+    ComposeSnapshot,
     EndReason,
     EventQueue,
     QueuedEvent,
@@ -263,8 +266,9 @@ class Broadcaster:
         snapshot: bool,
         group: Hashable = None,
     ) -> Subscriber:
-        """A new subscriber, its queue primed with the snapshot it is owed; `group`
-        names what it shares its writes with (its connection), if anything."""
+        """A new subscriber, owed the snapshot of its kind and role (composed by its
+        own task: fanout/snapshot.py); `group` names what it shares its writes with
+        (its connection), if anything."""
         subscriber = Subscriber(
             kind,
             role,
@@ -275,14 +279,10 @@ class Broadcaster:
             group=group,
         )
         if kind is StreamKind.LIST:
-            subscriber.prime([(UNIQUE, batch, None) for batch in self.snapshot_batches()])
-        elif snapshot:
-            owed: list[QueueEntry] = []
-            for key, entry in self._live_entries():
-                signal = self._snapshot_signal(key, entry)
-                if signal is not None:
-                    owed.append((key, signal, None))
-            subscriber.prime(owed)
+            self._owe_list_snapshot(subscriber)
+        elif snapshot and (live := self._live_entries()):
+            owed = OwedSnapshot(live, self._snapshot_entry)
+            subscriber.owe(owed.made, len(owed))
         self._set_of(kind).add(subscriber)
         self._groups.pop(kind, None)
         return subscriber
@@ -293,17 +293,17 @@ class Broadcaster:
 
     def subscribe_events(self, *, snapshot: bool) -> EventQueue:
         """A queue of job events for an in-process consumer, with the same
-        bounds as a stream's; primed with every live job's latest event if
-        `snapshot` (in the same synchronous step, so nothing falls between)."""
+        bounds as a stream's; owed every live job's latest event if `snapshot`
+        (the jobs fixed now, so nothing falls between; the events made by the
+        consumer's task as it reads)."""
         queue = EventQueue(
             max_pending=self._max_pending,
             max_pending_bytes=self._max_pending_bytes,
             stats=self.stats,
         )
-        if snapshot:
-            queue.prime(
-                [(key, QueuedEvent(e.job, e.uuid), None) for key, e in self._live_entries()]
-            )
+        if snapshot and (live := self._live_entries()):
+            owed = OwedSnapshot(live, _queued_event)
+            queue.owe(owed.made, len(owed))
         self._event_queues.add(queue)
         return queue
 
@@ -320,29 +320,39 @@ class Broadcaster:
         for queue in self.event_queues:
             queue.end(reason)
 
-    def snapshot_batches(self) -> Iterator[bytes]:
-        """The current state as JobSummarySignalList batches (docs/architecture.md section 2).
+    async def snapshot_batches(self) -> list[bytes]:
+        """The current state as JobSummarySignalList batches (docs/architecture.md
+        section 2), composed in slices as a List subscriber's snapshot is."""
+        compose = self._list_snapshot()
+        return [batch for _, batch, _ in await compose()]
 
-        Every batch carries the same ReportTime and JobTotalNum. Jobs are packed
-        while their rank tables total at most `batch_npus` NPUs; a job larger
-        than that goes alone, with an empty HcclJson.
-        """
+    def _owe_list_snapshot(self, subscriber: Subscriber) -> None:
+        # At least one batch, even for an empty cluster.
+        subscriber.owe(self._list_snapshot(), max(1, self._jobs.live_job_count()))
+
+    def _list_snapshot(self) -> ComposeSnapshot[bytes]:
+        """What composes the batches of the live jobs as they are now: each
+        job's signal in slices, then the batches, one checkpoint after each."""
         report_time = self._now_ms()
-        # Encoded first, so that a job dropped as unencodable is not in JobTotalNum.
-        signals = [
-            (
-                entry,
-                self._snapshot_signal(key, entry, stripped=entry.job.npu_count > self._batch_npus),
-            )
-            for key, entry in self._live_entries()
-        ]
-        total = self.job_count()
+        owed = OwedSnapshot(self._live_entries(), self._list_signal)
+
+        async def compose() -> list[QueueEntry]:
+            signals = await owed.made()
+            batches = self._batches(signals, report_time)
+            return [(UNIQUE, batch, None) for batch in await sliced(batches)]
+
+        return compose
+
+    def _batches(self, signals: Sequence[_ListSignal], report_time: int) -> Iterator[bytes]:
+        """Pack signals into batches of at most `batch_npus` NPUs (and the message
+        size limit); a job larger than that goes alone, with an empty HcclJson.
+        Every batch carries the same ReportTime and JobTotalNum, the jobs that
+        could be encoded."""
+        total = len(signals)
         batch: list[bytes] = []
         batch_npus = batch_bytes = 0
-        for entry, signal in signals:
-            if signal is None:
-                continue
-            npus = entry.job.npu_count
+        for item in signals:
+            npus, signal = item.npus, item.signal
             if npus > self._batch_npus:
                 if batch:
                     yield encode_signal_list(batch, report_time, total)
@@ -389,6 +399,26 @@ class Broadcaster:
             event.encoded = self._encode(event.job, event.uuid)
         return event.encoded
 
+    def _snapshot_entry(self, live: tuple[JobKey, EncodedJob]) -> QueueEntry | None:
+        """A snapshot's entry for a live job, or None, and the job dropped, if it
+        cannot be encoded."""
+        key, event = live
+        signal = event.encoded
+        if signal is None:  # (the common case is the cached encoding of a published event)
+            signal = self._snapshot_signal(key, event)
+        return None if signal is None else (key, signal, None)
+
+    def _list_signal(self, live: tuple[JobKey, EncodedJob]) -> _ListSignal | None:
+        """A live job's signal for a List snapshot (without its rank table above
+        `batch_npus`), or None as for `_snapshot_entry`."""
+        key, event = live
+        npus = event.job.npu_count
+        stripped = npus > self._batch_npus
+        signal = None if stripped else event.encoded
+        if signal is None:
+            signal = self._snapshot_signal(key, event, stripped=stripped)
+        return None if signal is None else _ListSignal(npus, signal)
+
     def _snapshot_signal(
         self, key: JobKey, event: EncodedJob, *, stripped: bool = False
     ) -> bytes | None:
@@ -431,3 +461,20 @@ class Broadcaster:
 
     def _now_ms(self) -> int:
         return int(self._wall_clock() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class _ListSignal:
+    """A job's signal in a List snapshot, and its NPUs (which batch it fits)."""
+
+    npus: int
+    signal: bytes
+
+    def __len__(self) -> int:  # what composing it cost, for the slice budget
+        return len(self.signal)
+
+
+def _queued_event(live: tuple[JobKey, EncodedJob]) -> tuple[Hashable, QueuedEvent, float | None]:
+    """An in-process consumer's snapshot entry for a live job."""
+    key, event = live
+    return key, QueuedEvent(event.job, event.uuid), None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Hashable, Sized
+from collections.abc import Awaitable, Callable, Hashable, Sized
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -74,6 +74,10 @@ QueueEntry = tuple[Hashable, bytes, float | None]
 #: Takes an entry now, without waiting, and says so (True), or takes nothing (False).
 DirectSink = Callable[[tuple[Hashable, P, float | None]], bool]
 
+#: Makes the snapshot a new consumer is owed, in its task (fanout/snapshot.py);
+#: called again after a cancellation, it goes on where it stopped.
+ComposeSnapshot = Callable[[], Awaitable[list[tuple[Hashable, P, float | None]]]]
+
 
 class BoundedQueue(Generic[P]):
     """The slow-consumer policy: bounded, coalesced per job, ended when hopeless."""
@@ -81,6 +85,7 @@ class BoundedQueue(Generic[P]):
     __slots__ = (
         "_cancel_scope",
         "_coalesce_above",
+        "_compose_owed",
         "_direct",
         "_max_pending",
         "_max_pending_bytes",
@@ -88,6 +93,7 @@ class BoundedQueue(Generic[P]):
         "_on_wake",
         "_owed",
         "_owed_bytes",
+        "_owed_later",
         "_parked",
         "_pending",
         "_pending_bytes",
@@ -108,6 +114,10 @@ class BoundedQueue(Generic[P]):
         # does not count against the limits: only a live backlog on top of it does.
         self._owed = 0
         self._owed_bytes = 0
+        # A snapshot not composed yet (`owe`): its entries, once made, go in front
+        # of whatever was pushed meanwhile.
+        self._compose_owed: ComposeSnapshot[P] | None = None
+        self._owed_later = 0
         self._coalesce_above = COALESCE_ABOVE
         # The consumer's task while it waits for entries, rescheduled by the next
         # push: no trio Event per queue (and per wake-up). Others that wait at the
@@ -128,7 +138,14 @@ class BoundedQueue(Generic[P]):
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Entries queued, and those of a snapshot still to be composed (one
+        per job it holds until then; a List snapshot's batches are fewer)."""
+        return len(self._pending) + self._owed_later
+
+    @property
+    def owes_snapshot(self) -> bool:
+        """A snapshot is owed and not composed yet (`compose_snapshot`)."""
+        return self._compose_owed is not None
 
     @property
     def pending_bytes(self) -> int:
@@ -172,18 +189,33 @@ class BoundedQueue(Generic[P]):
             _faults.error("direct_delivery", "direct delivery failed; queued", exc_info=True)
             return False
 
-    def prime(self, entries: list[tuple[Hashable, P, float | None]]) -> None:
-        """Queue the snapshot owed to a new subscriber, whatever its size: it is
-        the state the client asked for, not a backlog (live events that follow
-        may still coalesce with it)."""
-        for entry in entries:
-            self._pending.append(entry)
-            self._pending_bytes += len(entry[1])
-        self._owed += len(entries)
-        self._owed_bytes += sum(len(entry[1]) for entry in entries)
-        if entries:
-            self._parked = False
-            self._wake()
+    def owe(self, compose: ComposeSnapshot[P], jobs: int) -> None:
+        """A new consumer is owed a snapshot of `jobs` jobs, which `compose` makes:
+        in the consumer's own task, before anything else it takes
+        (`compose_snapshot`), not in the step that subscribed it."""
+        self._compose_owed = compose
+        self._owed_later = jobs
+        self._parked = False  # pushes queue behind the snapshot
+
+    async def compose_snapshot(self) -> None:
+        """Make the owed snapshot, if any, and queue it in front of what was pushed
+        meanwhile, whatever its size: it is the state the consumer asked for, not
+        a backlog (live events that follow may still coalesce with it). Called by
+        the consumer's task; it checkpoints between slices."""
+        compose = self._compose_owed
+        if compose is None:
+            return
+        entries = await compose()
+        self._compose_owed = None
+        self._owed_later = 0
+        if self.end_reason is not None:
+            return
+        live = self._pending
+        self._pending = Fifo(entries)
+        self._pending.extend(live)
+        self._pending_bytes += sum(len(entry[1]) for entry in entries)
+        self._owed = len(entries)
+        self._owed_bytes = sum(len(entry[1]) for entry in entries)
 
     def _over_limits(self, *, after_coalescing: bool = False) -> bool:
         backlog = len(self._pending) - self._owed
@@ -220,6 +252,7 @@ class BoundedQueue(Generic[P]):
     async def next_batch_or_end(self, max_frames: int) -> list[P]:
         """Like `next_batch`, but an empty list once the queue has ended (for a
         consumer with no cancel scope attached)."""
+        await self.compose_snapshot()
         while not self._pending:
             if self.end_reason is not None:
                 return []
@@ -228,6 +261,7 @@ class BoundedQueue(Generic[P]):
 
     async def next_batch_timed(self, max_frames: int) -> tuple[list[P], list[float]]:
         """Like `next_batch`, plus when the watcher saw each live event (for latency)."""
+        await self.compose_snapshot()
         while not self._pending:
             self._parked = True
             try:
@@ -239,7 +273,7 @@ class BoundedQueue(Generic[P]):
     def take(self, max_frames: int) -> tuple[list[P], list[float]]:
         """Up to `max_frames` queued messages, in order, and when the watcher saw
         each live one; nothing if the queue is empty. For a consumer that waits
-        by other means (`on_wake`)."""
+        by other means (`on_wake`), once its snapshot is composed."""
         entries = self._pending.take(max_frames)
         frames = [frame for _, frame, _ in entries]
         seen = [seen_at for _, _, seen_at in entries if seen_at is not None]
@@ -312,8 +346,9 @@ class BoundedQueue(Generic[P]):
         if self.end_reason is None:
             self.end_reason = reason
         self._direct = None
+        self._compose_owed = None
         self._pending.clear()
-        self._pending_bytes = self._owed = self._owed_bytes = 0
+        self._pending_bytes = self._owed = self._owed_bytes = self._owed_later = 0
         self._wake()  # a consumer waiting in next_batch_or_end learns of it
         if self._cancel_scope is not None:
             self._cancel_scope.cancel()

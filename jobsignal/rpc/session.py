@@ -351,7 +351,7 @@ class Session:
         if self.request.send_now is not None:
             subscriber.deliver_directly(self._deliver_now)
         subscriber.on_wake(self._wake)
-        if subscriber.pending:  # the snapshot it is owed
+        if subscriber.pending:  # the snapshot it is owed, composed by its task
             self._wake()
         else:
             subscriber.park()
@@ -386,6 +386,7 @@ class Session:
         try:
             with trio.CancelScope() as scope:
                 subscriber.attach(scope)
+                await subscriber.compose_snapshot()  # first, if one is owed
                 while subscriber.end_reason is None:
                     frames, seen = subscriber.take(MAX_BATCH)
                     if not frames:

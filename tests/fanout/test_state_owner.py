@@ -48,10 +48,10 @@ def owned(owner: LiveJobs, **options: int) -> Broadcaster:
     return Broadcaster(jobs=owner, wall_clock=lambda: 2.0, **options)  # type: ignore[arg-type]
 
 
-def snapshot_signals(broadcaster: Broadcaster) -> list[JobSummarySignal]:
+async def snapshot_signals(broadcaster: Broadcaster) -> list[JobSummarySignal]:
     return [
         signal
-        for batch in broadcaster.snapshot_batches()
+        for batch in await broadcaster.snapshot_batches()
         for signal in JobSummarySignalList.parse(batch).job_summary_signals
     ]
 
@@ -71,12 +71,12 @@ async def test_a_snapshot_reflects_the_store_not_what_was_published() -> None:
     [(_, running)] = job.configmaps("running")
     # The store moves on; its event is lost on the way (as when a store step fails half-way).
     [event] = store.apply(MODIFIED, configmap("ns", name, running), NOW).events
-    [signal] = snapshot_signals(broadcaster)
+    [signal] = await snapshot_signals(broadcaster)
     assert (signal.job_status, signal.uuid) == ("running", event_id(event))
     assert [e.job for e in broadcaster.latest()] == store.live_jobs()
     # And a job the store ended is gone from snapshots and counts at once.
     store.apply(DELETED, configmap("ns", name, running), NOW)
-    assert snapshot_signals(broadcaster) == []
+    assert await snapshot_signals(broadcaster) == []
     assert broadcaster.job_count() == 0
     assert broadcaster.latest() == []
 
@@ -88,11 +88,11 @@ async def test_the_encoding_cache_is_used_only_for_the_object_the_owner_holds() 
     owner.set(old)
     broadcaster.publish([old])
     [published] = broadcaster.latest()
-    first = snapshot_signals(broadcaster)
+    first = await snapshot_signals(broadcaster)
     # Same object: the cached entry, uuid and bytes are reused.
     [again] = broadcaster.latest()
     assert again is published and again.encoded is not None
-    assert snapshot_signals(broadcaster) == first
+    assert await snapshot_signals(broadcaster) == first
     # An equal state in a new object is still encoded from that object.
     twin = dataclasses.replace(old)
     owner.set(twin)
@@ -101,7 +101,7 @@ async def test_the_encoding_cache_is_used_only_for_the_object_the_owner_holds() 
     # A new state the broadcaster never saw published: served from the owner.
     new = dataclasses.replace(old, job_status="failed")
     owner.set(new)
-    [signal] = snapshot_signals(broadcaster)
+    [signal] = await snapshot_signals(broadcaster)
     assert (signal.job_status, signal.uuid) == ("failed", event_id(new))
     [entry] = broadcaster.latest()
     assert entry.job is new and entry.uuid == event_id(new)
@@ -163,11 +163,11 @@ async def test_a_broken_job_of_the_owner_is_dropped_once_until_its_next_state() 
     broken = make_job(2, hccl_json="{}", job_name="bad\udc80")
     owner.set(good, broken)
     broadcaster.publish([good, broken])  # nobody subscribed: nothing encoded yet
-    assert [s.job_id for s in snapshot_signals(broadcaster)] == [good.job_id]
+    assert [s.job_id for s in await snapshot_signals(broadcaster)] == [good.job_id]
     assert broadcaster.stats.events_dropped == {"snapshot": 1}
     assert broadcaster.job_count() == 1
     # Not retried on the next snapshot, nor counted in JobTotalNum.
-    [batch] = broadcaster.snapshot_batches()
+    [batch] = await broadcaster.snapshot_batches()
     assert JobSummarySignalList.parse(batch).job_total_num == 1
     assert broadcaster.stats.events_dropped == {"snapshot": 1}
     assert [e.job for e in broadcaster.latest()] == [good]
@@ -175,7 +175,7 @@ async def test_a_broken_job_of_the_owner_is_dropped_once_until_its_next_state() 
     fixed = dataclasses.replace(broken, job_name="fixed")
     owner.set(fixed)
     broadcaster.publish([fixed])
-    assert [s.job_id for s in snapshot_signals(broadcaster)] == [good.job_id, fixed.job_id]
+    assert [s.job_id for s in await snapshot_signals(broadcaster)] == [good.job_id, fixed.job_id]
     assert broadcaster.job_count() == 2
 
 
@@ -185,9 +185,9 @@ async def test_the_owner_forgetting_a_dropped_job_forgets_the_drop() -> None:
     broken = make_job(2, hccl_json="{}", job_name="bad\udc80")
     owner.set(broken)
     broadcaster.publish([broken])
-    assert snapshot_signals(broadcaster) == []
+    assert await snapshot_signals(broadcaster) == []
     owner.set(dataclasses.replace(broken, operator="delete"))  # no event published
-    [batch] = broadcaster.snapshot_batches()
+    [batch] = await broadcaster.snapshot_batches()
     assert JobSummarySignalList.parse(batch).job_total_num == 0
     assert broadcaster.job_count() == 0
 
@@ -200,7 +200,7 @@ async def test_snapshots_follow_the_owner_order() -> None:
             broadcaster.publish(store.apply(ADDED, configmap("ns", cm_name, data), NOW).events)
     expected = [job.job_id for job in store.live_jobs()]
     assert expected == ["uid-c", "uid-a", "uid-b"]
-    assert [s.job_id for s in snapshot_signals(broadcaster)] == expected
+    assert [s.job_id for s in await snapshot_signals(broadcaster)] == expected
 
 
 async def test_the_watcher_publishes_every_store_change_before_a_checkpoint() -> None:

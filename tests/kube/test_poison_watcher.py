@@ -279,8 +279,7 @@ async def test_broadcaster_drops_an_unencodable_event_in_publish_and_in_snapshot
     broadcaster = Broadcaster()
     # Nobody subscribed: encoding is deferred, so the failure shows in the snapshot.
     broadcaster.publish([good_summary("a"), poison_summary("b")])
-    batches = list(broadcaster.snapshot_batches())
-    [batch] = batches
+    [batch] = await broadcaster.snapshot_batches()
     parsed = JobSummarySignalList.parse(batch)
     assert [s.job_id for s in parsed.job_summary_signals] == ["a"]
     assert parsed.job_total_num == 1
@@ -291,6 +290,7 @@ async def test_broadcaster_drops_an_unencodable_event_in_publish_and_in_snapshot
     broadcaster.publish([poison_summary("c"), good_summary("d")])
     frames = [JobSummarySignal.parse(f) for f in await subscriber.next_batch(10)]
     assert [f.job_id for f in frames] == ["a", "d"]
+    await lister.compose_snapshot()
     assert lister.pending == 2  # its snapshot, then d
     assert broadcaster.stats.events_dropped == {"snapshot": 1, "publish": 1}
     assert {e.job.job_id for e in broadcaster.latest()} == {"a", "d"}

@@ -15,7 +15,9 @@ import trio.testing
 import trio_asyncio
 from grpclib.const import Status
 
+from jobsignal._proto.job import JobSummarySignal
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
+from jobsignal.fanout.snapshot import SLICE_JOBS
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.connections import ConnectionTable
 from jobsignal.rpc.registry import Registry
@@ -200,6 +202,26 @@ async def test_a_newer_subscription_replaces_the_older_one(
         first_end = client.outcomes[0]
         assert isinstance(first_end, StreamEnd) and first_end.reason is EndReason.REPLACED
         assert sessions.broadcaster.subscribers == {newer.subscriber}
+
+
+async def test_a_snapshot_is_composed_by_the_session_task_and_a_replacement_cuts_it_short(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    jobs = [make_job(i, hccl_json="{}") for i in range(3 * SLICE_JOBS)]
+    async with running_sessions(SessionSettings(snapshot_roles=frozenset({ROLE}))) as sessions:
+        sessions.broadcaster.publish(jobs)  # nobody subscribed: nothing encoded
+        client = Client(sessions.registry)
+        first = opened(sessions, client)
+        assert first.subscriber.owes_snapshot  # opening it composed nothing
+        await trio.lowlevel.checkpoint()  # its task's first slice
+        assert first.subscriber.owes_snapshot and client.sent == []
+        newer = opened(sessions, client)  # the same clientId again, mid-snapshot
+        await trio.testing.wait_all_tasks_blocked()
+        [end] = client.outcomes
+        assert isinstance(end, StreamEnd) and end.reason is EndReason.REPLACED
+        assert sessions.broadcaster.subscribers == {newer.subscriber}
+        # Only the newer stream's snapshot was sent, whole, in publish order.
+        assert [JobSummarySignal.parse(m).job_id for m in client.sent] == [j.job_id for j in jobs]
 
 
 async def test_a_session_ends_while_its_task_waits_to_write(
