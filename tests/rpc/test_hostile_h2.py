@@ -447,24 +447,27 @@ async def test_control_frame_flood_gets_goaway_while_others_are_served(
 
 
 @pytest.mark.parametrize("sends", [b"", PREFACE], ids=["nothing", "preface-only"])
-async def test_a_connection_without_handshake_is_closed_after_the_timeout(sends: bytes) -> None:
-    timeout = 0.5
-    settings = local_settings(protocol_limits=ProtocolLimits(handshake_timeout=timeout))
-    async with open_jobsignal_server(settings) as server, raw_peer(server.port) as peer:
+async def test_a_connection_without_handshake_is_closed_after_the_timeout(
+    io_clock: trio.testing.MockClock, sends: bytes
+) -> None:
+    # Virtual time: the timer is asyncio's `call_later`, which trio-asyncio runs on trio's clock.
+    timeout = ProtocolLimits().handshake_timeout
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
         if sends:
             await peer.send(sends)
         started = trio.current_time()
         await peer.read_until(lambda p: False, within=timeout + 5)
         assert peer.closed
-        assert timeout - 0.1 < trio.current_time() - started < timeout + 3
+        assert trio.current_time() - started == pytest.approx(timeout, abs=0.05)
         assert server.connections.closed_by_server["handshake_timeout"] == 1
         await wait_until(lambda: len(server.connections) == 0, within=WAIT)
 
 
-async def test_a_connection_that_completes_the_handshake_stays_open() -> None:
-    timeout = 0.3
-    settings = local_settings(protocol_limits=ProtocolLimits(handshake_timeout=timeout))
-    async with open_jobsignal_server(settings) as server, raw_peer(server.port) as peer:
+async def test_a_connection_that_completes_the_handshake_stays_open(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    timeout = ProtocolLimits().handshake_timeout
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
         await peer.handshake()
         await trio.sleep(timeout * 3)
         await peer.send(PingFrame(0, opaque_data=b"12345678"))
@@ -472,6 +475,7 @@ async def test_a_connection_that_completes_the_handshake_stays_open() -> None:
             lambda p: any(isinstance(f, PingFrame) and "ACK" in f.flags for f in p.frames)
         )
         assert not peer.closed and peer.goaway() is None
+        assert server.connections.closed_by_server["handshake_timeout"] == 0
 
 
 async def test_stream_limit_is_advertised_and_extra_streams_are_refused_one_by_one() -> None:
@@ -566,6 +570,34 @@ async def test_a_peer_that_never_reads_is_no_longer_read_then_closed(
             )
             await wait_until(lambda: len(server.connections) == 1, within=WAIT)
         await healthy.assert_got_everything()
+
+
+async def test_a_stalled_peer_is_closed_when_the_stall_timeout_runs_out(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """The same rule in virtual time, with the default timeout: the stall timer is
+    asyncio's `call_later`, which trio-asyncio runs on trio's clock."""
+    stall = ProtocolLimits().write_stall_timeout
+    async with (
+        open_jobsignal_server() as server,
+        raw_peer(server.port, receive_buffer=4096) as peer,
+    ):
+        await peer.subscribe_wide_open()
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
+        # Big events, one per loop turn, all at one virtual instant, until the
+        # socket is full and the stall timer starts.
+        filled = trio.current_time()
+        for i in range(40):
+            server.broadcaster.publish([make_job(1000 + i, npus=2048)])
+            await trio.lowlevel.checkpoint()
+        assert trio.current_time() == filled
+        await wait_until(
+            lambda: server.connections.closed_by_server["write_stalled"] == 1,
+            within=stall + WAIT,
+            what="the stalled connection to be closed",
+        )
+        assert trio.current_time() - filled == pytest.approx(stall, abs=0.1)
+        await wait_until(lambda: len(server.connections) == 0, within=WAIT)
 
 
 # -- header abuse ---------------------------------------------------------------------------------
