@@ -166,12 +166,12 @@ class BoundedQueue(Generic[P]):
             return
         self._pending.append(entry)
         self._pending_bytes += len(entry[1])
-        if self._over_limits() or len(self._pending) - self._owed > self._coalesce_above:
+        if self._over_limits() or self._backlog() > self._coalesce_above:
             self._coalesce()
             if self._over_limits(after_coalescing=True):
                 self.end(EndReason.SLOW)
                 return
-            self._coalesce_above = max(COALESCE_ABOVE, 2 * (len(self._pending) - self._owed))
+            self._coalesce_above = max(COALESCE_ABOVE, 2 * self._backlog())
         self._parked = False  # the consumer is woken: what follows queues behind this
         self._wake()
 
@@ -217,8 +217,12 @@ class BoundedQueue(Generic[P]):
         self._owed = len(entries)
         self._owed_bytes = sum(len(entry[1]) for entry in entries)
 
+    def _backlog(self) -> int:
+        """Live entries queued: those on top of the owed snapshot."""
+        return len(self._pending) - self._owed
+
     def _over_limits(self, *, after_coalescing: bool = False) -> bool:
-        backlog = len(self._pending) - self._owed
+        backlog = self._backlog()
         backlog_bytes = self._pending_bytes - self._owed_bytes
         if backlog > self._max_pending:
             return True
