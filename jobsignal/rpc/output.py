@@ -61,7 +61,7 @@ class TurnFlusher:
 
     It also numbers the turns in which anything was written (`turn`), so a
     connection can tell its first write of a turn, which goes out at once,
-    from later ones, which wait for the end of the turn (`flush_first_now`),
+    from later ones, which wait for the end of the turn (`goes_now`),
     without a flush of nothing at the end of every turn it wrote in.
     """
 
@@ -184,19 +184,26 @@ class ConnectionOutput:
             self._late_scheduled = True
             self._late_flusher.due(self, self._loop)
 
-    def flush_first_now(self) -> None:
-        """Write the connection's queued frames now if this is its first write of the
-        loop turn, else at the end of the turn: the first write is not delayed, and
-        a burst of them still costs at most two system calls."""
-        if self.first_write_of_turn():
+    def goes_now(self, *, alone: bool) -> bool:
+        """The rule for output a stream just queued: at once (True: the caller
+        writes it) when the stream is alone on its connection (nothing to share
+        the system call with, and the client waits for it) and this is the
+        connection's first write of the loop turn; else at the end of the turn
+        (scheduled here), so a burst still costs at most two system calls."""
+        if alone and self._first_write_of_turn():
+            return True
+        self.schedule_flush()
+        return False
+
+    def flush(self, *, alone: bool) -> None:
+        """Write the connection's queued frames now or at the end of the turn, by
+        the `goes_now` rule."""
+        if self.goes_now(alone=alone):
             self._flush_now()
 
-    def first_write_of_turn(self) -> bool:
-        """Whether the output just queued is the connection's first of this loop turn,
-        which the caller writes now; if not, it is written at the end of the turn."""
+    def _first_write_of_turn(self) -> bool:
         flusher = self._flusher
         if self._flush_scheduled or self._written_in_turn == flusher.turn:
-            self.schedule_flush()
             return False
         self._written_in_turn = flusher.turn
         flusher.end_turn_later(self._loop)

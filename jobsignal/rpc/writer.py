@@ -107,22 +107,13 @@ class StreamWriter:
         frame = sender.frame_now(message)
         if frame is None:
             return False
-        if sender.alone:
-            sender.write(frame, at_once=output.first_write_of_turn())
-        else:
-            sender.write(frame, at_once=False)
-            output.schedule_flush()
+        sender.write(frame, at_once=output.goes_now(alone=sender.alone))
         return True
 
     def _flush(self) -> None:
-        """Write out what was queued: at once when this is the connection's only
-        stream (nothing to share the write with, and the client waits for it;
-        later writes in the same loop turn still go together), else at the end
-        of the loop turn, with the other streams' frames."""
-        if _grpclib.alone_on_connection(self._stream):
-            self._output.flush_first_now()
-        else:
-            self._output.schedule_flush()
+        """Write out what was queued, now or with the other streams' frames at the
+        end of the loop turn (`ConnectionOutput.goes_now`)."""
+        self._output.flush(alone=_grpclib.alone_on_connection(self._stream))
 
     def _queue_now(self, data: memoryview) -> int:
         """Queue what the stream's window takes of `data` into h2; the bytes queued."""

@@ -111,15 +111,32 @@ def test_the_first_write_of_a_turn_goes_out_at_once_and_later_ones_at_its_end(
 ) -> None:
     flusher, connection = TurnFlusher(), FakeConnection()
     output = output_on(connection, flusher)
-    output.flush_first_now()
+    output.flush(alone=True)
     assert connection.flushes == 1  # not delayed
-    output.flush_first_now()
-    output.flush_first_now()
+    output.flush(alone=True)
+    output.flush(alone=True)
     assert connection.flushes == 1  # the rest of the burst waits for the end of the turn
     loop.run_turn()
     assert connection.flushes == 2  # ... and goes out in one write
-    output.flush_first_now()  # a new turn: at once again
+    output.flush(alone=True)  # a new turn: at once again
     assert connection.flushes == 3
+
+
+def test_a_stream_sharing_its_connection_always_waits_for_the_end_of_the_turn(
+    loop: FakeLoop,
+) -> None:
+    flusher, connection = TurnFlusher(), FakeConnection()
+    output = output_on(connection, flusher)
+    assert not output.goes_now(alone=False)
+    output.flush(alone=False)
+    assert connection.flushes == 0  # its neighbours' frames may still join this write
+    loop.run_turn()
+    assert connection.flushes == 1
+    # A stream alone after a shared write in the same turn waits too.
+    output.flush(alone=False)
+    assert not output.goes_now(alone=True)
+    loop.run_turn()
+    assert connection.flushes == 2
 
 
 def test_a_single_write_in_a_turn_costs_no_flush_at_its_end(loop: FakeLoop) -> None:
@@ -127,11 +144,11 @@ def test_a_single_write_in_a_turn_costs_no_flush_at_its_end(loop: FakeLoop) -> N
     connections = [FakeConnection() for _ in range(100)]
     outputs = [output_on(connection, flusher) for connection in connections]
     for output in outputs:  # a publish to a hundred connections, one message each
-        output.flush_first_now()
+        output.flush(alone=True)
     assert len(loop.callbacks) == 1  # one end-of-turn callback for all of them
     loop.run_turn()
     assert [connection.flushes for connection in connections] == [1] * 100
-    outputs[0].flush_first_now()
+    outputs[0].flush(alone=True)
     assert connections[0].flushes == 2
 
 
@@ -158,7 +175,7 @@ def test_a_late_flush_does_not_hold_back_the_connections_own_writes(loop: FakeLo
     connection = FakeConnection()
     output = output_on(connection, TurnFlusher())
     output.flush_late()
-    output.flush_first_now()
+    output.flush(alone=True)
     assert connection.flushes == 1
     loop.fire_timers()
     assert connection.flushes == 2
