@@ -71,6 +71,14 @@ SILENT_CONNECTIONS = 200
 STALLED_STREAMS = 20
 # Seconds between the stalled peer's probes for the server's reset.
 STALL_PROBE_INTERVAL = 0.1
+# Attack (9): connections that each send control frames at a pace under one
+# connection's budget (--max-control-frames-per-second, 500 by default), so
+# that only a budget of the whole address sees their sum; from an address of
+# their own, as an attacker's would be, not the healthy clients' 127.0.0.1.
+SPREAD_CONNECTIONS = 500
+SPREAD_RATE = 450  # frames per second, each connection
+SPREAD_TICK = 0.05  # seconds between one connection's writes
+SPREAD_SOURCE = "127.0.0.2"
 # A receive buffer that fills fast, for the peers that do not read.
 SMALL_RECEIVE_BUFFER = 4096
 # Linux TCP_INFO: the first byte is the connection state; these two mean the
@@ -321,12 +329,16 @@ class Attacker:
 
     # -- connections -----------------------------------------------------------------------------
 
-    async def connect(self, record: Record, receive_buffer: int | None = None) -> Wire | None:
+    async def connect(
+        self, record: Record, receive_buffer: int | None = None, source: str | None = None
+    ) -> Wire | None:
         record.connections += 1
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         if receive_buffer is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
         try:
+            if source is not None:
+                await sock.bind((source, 0))
             await sock.connect((self.host, self.port))
         except OSError as error:
             sock.close()
@@ -361,18 +373,21 @@ class Attacker:
         workers: int = 1,
         reads: bool = True,
         receive_buffer: int | None = None,
+        pace: float = 0.0,
+        source: str | None = None,
     ) -> None:
-        """`workers` connections sending `batch()` as fast as they can, each
-        reconnecting whenever the server closes it, until the attack ends."""
+        """`workers` connections sending `batch()` as fast as they can (or one
+        every `pace` seconds), each reconnecting whenever the server closes it,
+        until the attack ends; from the address `source`, if given."""
         record.parallel = workers
 
         async def worker() -> None:
             while record.more():
-                wire = await self.connect(record, receive_buffer)
+                wire = await self.connect(record, receive_buffer, source)
                 if wire is None:
                     continue
                 try:
-                    await self._flood_one(record, wire, batch, opening, reads)
+                    await self._flood_one(record, wire, batch, opening, reads, pace)
                 finally:
                     record.finish(wire)
                     wire.sock.close()
@@ -388,6 +403,7 @@ class Attacker:
         batch: Callable[[Wire], list[Frame | bytes]],
         opening: Callable[[Wire], list[Frame | bytes]] | None,
         reads: bool,
+        pace: float,
     ) -> None:
         async with trio.open_nursery() as nursery:
             if reads:
@@ -396,8 +412,12 @@ class Attacker:
                 sending = await self.handshake(record, wire)
                 if sending and opening is not None:
                     sending = await self.send(record, wire, opening(wire))
+                next_write = trio.current_time()
                 while sending and not wire.answered.is_set():
                     sending = await self.send(record, wire, batch(wire))
+                    if pace:
+                        next_write += pace
+                        await trio.sleep_until(next_write)
             if reads:
                 # The server answered (or the window ended): wait for the close.
                 with trio.move_on_after(CLOSE_WAIT if wire.answered.is_set() else 0):
@@ -461,6 +481,18 @@ class Attacker:
             workers=SETTINGS_WRITERS,
             reads=False,
             receive_buffer=SMALL_RECEIVE_BUFFER,
+        )
+
+    async def spread_control_flood(self, record: Record) -> None:
+        """(9) Many connections, each sending one-byte WINDOW_UPDATEs (nothing to
+        answer) under its own control-frame budget: together far above it."""
+        per_write = round(SPREAD_RATE * SPREAD_TICK)
+        await self.flood(
+            record,
+            lambda wire: [WindowUpdateFrame(0, window_increment=1) for _ in range(per_write)],
+            workers=SPREAD_CONNECTIONS,
+            pace=SPREAD_TICK,
+            source=SPREAD_SOURCE,
         )
 
     async def silent(self, record: Record) -> None:
@@ -553,6 +585,7 @@ ATTACKS: dict[str, Attack] = {
     "settings_no_read": Attacker.settings_no_read,
     "silent": Attacker.silent,
     "stalled_subscriber": Attacker.stalled_subscriber,
+    "spread_control_flood": Attacker.spread_control_flood,
 }
 
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 import traceback
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ ATTACKS = (
     "settings_no_read",
     "silent",
     "stalled_subscriber",
+    "spread_control_flood",
 )
 
 
@@ -235,8 +236,16 @@ def latency_summary(samples_ns: list[int]) -> dict[str, Any]:
 
 
 class Bench:
-    def __init__(self, sizes: Sizes, out: Path, work: Path, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        sizes: Sizes,
+        out: Path,
+        work: Path,
+        log: Callable[[str], None],
+        attacks: Sequence[str] = ATTACKS,
+    ) -> None:
         self.sizes = sizes
+        self.attacks = attacks
         self.out = out
         self.work = work
         self.log = log
@@ -1043,7 +1052,7 @@ class Bench:
             children.append(attacker)
             server.request({"cmd": "mode", "mode": "rate", "rate": sizes.attack_rate})
             time.sleep(sizes.warmup)
-            for name in ATTACKS:
+            for name in self.attacks:
                 row = self.one_attack(server, clients, attacker, name)
                 rows.append(row)
                 during, before = row["healthy"], row["baseline"]
@@ -1355,6 +1364,11 @@ def main(argv: list[str] | None = None) -> int:
         help="override one size of the run, e.g. --set e2e_rate=100 --set e2e_subs=10",
     )
     parser.add_argument(
+        "--attacks",
+        default="",
+        help=f"comma-separated attacks of the attack scenario (default all: {','.join(ATTACKS)})",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="rewrite REPORT.md and the plots from the results.json in --out, without running",
@@ -1369,6 +1383,9 @@ def main(argv: list[str] | None = None) -> int:
         print(write_report(json.loads((out / "results.json").read_text()), out))
         return 0
     only = {name.strip() for name in args.only.split(",") if name.strip()} or None
+    attacks = [name.strip() for name in args.attacks.split(",") if name.strip()] or ATTACKS
+    if unknown := sorted(set(attacks) - set(ATTACKS)):
+        parser.error(f"--attacks: unknown {', '.join(unknown)}; known: {', '.join(ATTACKS)}")
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -1380,7 +1397,7 @@ def main(argv: list[str] | None = None) -> int:
         f" ({machine_info['cpu_model']}), load {machine_info['load_average_start'][0]:.2f}"
     )
     with tempfile.TemporaryDirectory(prefix="jobsignal-bench-") as work:
-        bench = Bench(sizes, out, Path(work), log)
+        bench = Bench(sizes, out, Path(work), log, attacks)
         bench.results["machine"] = machine_info
         bench.results["quick"] = args.quick
         bench.run_all(only)
