@@ -46,6 +46,7 @@ ATTACK_LABELS = {
     "settings_no_read": "(6) 4 connections flooding SETTINGS, never reading",
     "silent": "(7) 200 connections that never send the preface",
     "stalled_subscriber": "(8) windows opened wide, 20 FdAgent subscriptions, never reading",
+    "spread_control_flood": "(9) 500 connections from 127.0.0.2, 450 WINDOW_UPDATEs/s each",
 }
 # Healthy subscribers' p99 during an attack: one attacking client must not push
 # it above about this (issue: "No single input may ... starve jobsignal").
