@@ -206,6 +206,7 @@ def metric_sources(
         connections_refused=lambda: server.connections.counter.refused,
         connections_closed_by_server=lambda: server.connections.closed_by_server,
         streams_refused=lambda: server.connections.streams_refused,
+        input_held=lambda: server.connections.input_held,
         rpc_handler_errors=lambda: server.handler_errors,
         rate_limited=server.rate_limited,
         http_errors=lambda: http_stats.errors,

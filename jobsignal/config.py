@@ -370,6 +370,15 @@ class Config:
         " server sends); beyond: GOAWAY ENHANCE_YOUR_CALM control_flood",
         group="HTTP/2 protection",
     )
+    max_control_frames_per_second_per_ip: float = setting(
+        "2000",
+        _per_second,
+        "the same frames per second one client address may send over all its connections,"
+        " not counting each connection's first 10 and those answering data the server sent"
+        " (bursts of twice as many); beyond: its connections' input waits its turn"
+        " (nothing is closed)",
+        group="HTTP/2 protection",
+    )
     read_bytes_per_turn: int = setting(
         "16384",
         _bytes,

@@ -52,6 +52,7 @@ class MetricSources:
     connections_refused: Callable[[], int]
     connections_closed_by_server: Callable[[], Mapping[str, int]]
     streams_refused: Callable[[], int]
+    input_held: Callable[[], int]
     rpc_handler_errors: Callable[[], Mapping[str, int]]
     rate_limited: Callable[[], Mapping[str, int]]
     http_errors: Callable[[], Mapping[str, int]]
@@ -157,6 +158,12 @@ class JobsignalCollector(Collector):
             "HTTP/2 streams refused with REFUSED_STREAM: over the stream limit advertised in"
             " SETTINGS.",
             value=sources.streams_refused(),
+        )
+        yield CounterMetricFamily(
+            "jobsignal_input_held_total",
+            "Times a connection's input waited for its address's turn: control frames"
+            " beyond --max-control-frames-per-second-per-ip.",
+            value=sources.input_held(),
         )
         yield _counter(
             "jobsignal_rpc_handler_errors_total",

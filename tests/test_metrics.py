@@ -55,6 +55,7 @@ JOBSIGNAL_FAMILIES = {
     "jobsignal_connections_refused": "counter",
     "jobsignal_connections_closed_by_server": "counter",
     "jobsignal_streams_refused": "counter",
+    "jobsignal_input_held": "counter",
     "jobsignal_rpc_handler_errors": "counter",
     "jobsignal_rate_limited": "counter",
     "jobsignal_http_errors": "counter",
@@ -196,6 +197,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
     assert run.value("jobsignal_connections_refused_total") == 1
     assert run.by("jobsignal_connections_closed_by_server_total", "reason") == {}
     assert run.value("jobsignal_streams_refused_total") == 0
+    assert run.value("jobsignal_input_held_total") == 0
     assert run.by("jobsignal_rpc_handler_errors_total", "rpc") == {}
     assert run.by("jobsignal_rate_limited_total", "rpc") == {"Register": 0, "Subscribe": 0}
     assert run.by("jobsignal_http_errors_total", "reason") == {
@@ -279,6 +281,7 @@ def sources_with(
         "connections_refused": 0,
         "connections_closed_by_server": Counter(),
         "streams_refused": 0,
+        "input_held": 0,
         "rpc_handler_errors": Counter(),
         "rate_limited": Counter(),
         "http_errors": Counter(),

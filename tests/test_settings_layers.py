@@ -115,6 +115,10 @@ REACHES: dict[str, tuple[str, str | dict[str, object]]] = {
         "501",
         "server.protocol_limits.max_control_frames_per_second",
     ),
+    "max_control_frames_per_second_per_ip": (
+        "2001",
+        "server.protocol_limits.max_control_frames_per_second_per_ip",
+    ),
     "read_bytes_per_turn": ("16385", "server.protocol_limits.read_bytes_per_turn"),
     "write_stall_timeout": ("33", "server.protocol_limits.write_stall_timeout"),
     "max_request_bytes": ("4194305", "server.max_request_bytes"),

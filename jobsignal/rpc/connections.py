@@ -50,7 +50,7 @@ from h2.exceptions import ProtocolError, StreamClosedError
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
-from jobsignal.rpc.guard import ConnectionBudget, ProtocolLimits, ResetBudgets
+from jobsignal.rpc.guard import AddressBudgets, ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.limits import ConnectionCounter, Limits
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
 from jobsignal.text import quote
@@ -94,8 +94,9 @@ class ConnectionTable:
         self.counter = ConnectionCounter(
             self.limits.max_connections, self.limits.max_connections_per_ip
         )
-        # Every connection from one address draws on one stream-reset budget.
-        self.reset_budgets = ResetBudgets(self.protocol_limits)
+        # Every connection from one address shares its budget of stream resets
+        # and the pacer of its control frames.
+        self.address_budgets = AddressBudgets(self.protocol_limits)
         self.flusher = TurnFlusher()
         self.late_flusher = LateFlusher()
         self._protocols: dict[Connection, ObservedH2Protocol] = {}
@@ -107,6 +108,8 @@ class ConnectionTable:
         # Connections the server closed on a peer's misbehaviour, by reason.
         self.closed_by_server: Counter[str] = Counter()
         self.streams_refused = 0
+        # Times a connection's input waited for its address's control-frame pacer.
+        self.input_held = 0
 
     @property
     def ping_floods(self) -> int:
@@ -184,6 +187,9 @@ class ObservedH2Protocol(H2Protocol):
         self._linger: asyncio.TimerHandle | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
+        # Input charged to the budgets and waiting for the address's pacer.
+        self._held: bytes | None = None
+        self._hold_timer: asyncio.TimerHandle | None = None
         self._input = bytearray()
         self._draining = False
         self._write_blocked = False
@@ -214,8 +220,8 @@ class ObservedH2Protocol(H2Protocol):
         )
         now = trio.current_time()
         table = self._table
-        resets = table.reset_budgets.of(self.ip, now, connected=table.counter.per_ip)
-        self.budget = ConnectionBudget(self._limits, now, resets)
+        shared = table.address_budgets.of(self.ip, now, connected=table.counter.per_ip)
+        self.budget = ConnectionBudget(self._limits, now, shared)
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(
             self._limits.handshake_timeout, self._handshake_expired
@@ -254,10 +260,11 @@ class ObservedH2Protocol(H2Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         # Timers would keep this protocol alive.
-        for timer in (self._linger, self._handshake_timer, self._stall_timer):
+        for timer in (self._linger, self._handshake_timer, self._stall_timer, self._hold_timer):
             if timer is not None:
                 timer.cancel()
-        self._linger = self._handshake_timer = self._stall_timer = None
+        self._linger = self._handshake_timer = self._stall_timer = self._hold_timer = None
+        self._held = None
         self._input.clear()
         self._table.lost(self)
         if self._counted:
@@ -273,16 +280,22 @@ class ObservedH2Protocol(H2Protocol):
             self._drain_input()
 
     def _drain_input(self) -> None:
-        """Handle one turn's share of the input; the rest waits for the next turn."""
+        """Handle one turn's share of the input; the rest waits for the next turn.
+
+        A share whose control frames must wait for the address's pacer is held
+        (reading paused, nothing of it handled) until their turn comes."""
         self._draining = False
+        self._hold_timer = None
         if self.connection.is_closing():
+            self._held = None
             self._input.clear()
             return
-        share = self._limits.read_bytes_per_turn
-        chunk = bytes(self._input[:share])
-        del self._input[:share]
         try:
-            self._handle_input(chunk)
+            if self._held is not None:
+                held, self._held = self._held, None
+                self._handle_input(held)
+            else:
+                self._take_share()
         except Exception:
             self._table.closed_by_server[INTERNAL_ERROR] += 1
             fault_log.error(
@@ -292,16 +305,33 @@ class ObservedH2Protocol(H2Protocol):
                 exc_info=True,
             )
             self.goaway(ErrorCodes.INTERNAL_ERROR, b"internal error")
-        if self._input and not self.connection.is_closing():
+        if self._held is None and self._input and not self.connection.is_closing():
             self._draining = True
             asyncio.get_running_loop().call_soon(self._drain_input)
         self._update_reading()
 
-    def _handle_input(self, chunk: bytes) -> None:
-        broken = self.budget.charge_input(chunk, trio.current_time())
+    def _take_share(self) -> None:
+        """Charge the next share of the input to the budgets, then handle it, or
+        hold it for the address's pacer."""
+        share = self._limits.read_bytes_per_turn
+        chunk = bytes(self._input[:share])
+        del self._input[:share]
+        now = trio.current_time()
+        broken = self.budget.charge_input(chunk, now)
         if broken is not None:
             self._enhance_your_calm(broken)
             return
+        delay = self.budget.address_delay(now)
+        if delay > 0.0:
+            self._table.input_held += 1
+            self._held = chunk
+            self._draining = True
+            self._hold_timer = asyncio.get_running_loop().call_later(delay, self._drain_input)
+            return
+        self._handle_input(chunk)
+
+    def _handle_input(self, chunk: bytes) -> None:
+        """Hand input the budgets have passed to h2 and grpclib."""
         # Most input of a live connection is the PING and WINDOW_UPDATE a client
         # answers each message with: handled without h2's general path, the ACK
         # left for the connection's next write (rpc/output.py, LateFlusher).

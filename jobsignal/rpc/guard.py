@@ -1,4 +1,4 @@
-"""What one HTTP/2 peer may make the server do: the per-connection abuse budgets.
+"""What one HTTP/2 peer may make the server do: the abuse budgets of a connection and its address.
 
 Pure bookkeeping with time passed in (trio's clock in production, so every
 rule is testable in virtual time). The protocol in `rpc.connections` hands
@@ -11,7 +11,7 @@ sends GOAWAY ENHANCE_YOUR_CALM.
 - Stream resets (RST_STREAM from the client): a token bucket, so a client may
   cancel its calls, even many at once, but not open-and-reset streams at a
   rate (the Rapid Reset attack, CVE-2023-44487). It belongs to the client's
-  address, shared by all its connections (`ResetBudgets`): neither parallel
+  address, shared by all its connections (`AddressBudgets`): neither parallel
   connections nor reconnecting multiply it.
 - Every other frame but HEADERS and CONTINUATION (SETTINGS, PING,
   WINDOW_UPDATE, PRIORITY, RST_STREAM, GOAWAY, unknown types, and DATA: a
@@ -22,6 +22,16 @@ sends GOAWAY ENHANCE_YOUR_CALM.
   sends, because a client legitimately answers the data it receives with
   WINDOW_UPDATEs (one for the stream, one for the connection) and grpc-go
   pings with them (BDP estimation).
+- The same frames once more, for the address: those that are neither among
+  a connection's first `FREE_CONTROL_FRAMES` (its handshake) nor paid by the
+  credit its received data earned are metered by a pacer its connections
+  share (`AddressPacer`). Over its rate, nobody is cut off: the connection's
+  input waits (`ConnectionBudget.address_delay`) until the address's share
+  comes round again. A peer spreading a flood over many connections, each
+  under its own budget, is slowed to the address's rate; reconnecting gains
+  it nothing but 10 frames per TCP and HTTP/2 handshake; and the clients
+  behind one NAT address, whose frames answer the data they receive or make
+  their handshakes, go on as before.
 
 These are what grpc-go, gRPC core, nginx and Envoy bound too; the defaults
 are far above what any real client sends (see docs/architecture.md
@@ -41,6 +51,10 @@ CONTROL_FLOOD = "control_flood"
 # Tokens a sent DATA or HEADERS frame earns the peer: a WINDOW_UPDATE for the
 # stream and one for the connection.
 CREDIT_PER_FRAME_SENT = 2.0
+# Control frames of each connection the address's pacer does not meter: a
+# handshake (SETTINGS, the ACK of the server's, a WINDOW_UPDATE, the first
+# requests, a PING) with room to spare.
+FREE_CONTROL_FRAMES = 10
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER_SIZE = 9
@@ -59,8 +73,11 @@ class ProtocolLimits(LayerSettings):
     # Sustained RST_STREAM frames per second; bursts of twice as many.
     max_resets_per_second: float = from_setting(lambda c: c.max_stream_resets_per_second)
     # Sustained control frames per second (see the module docstring); bursts
-    # of twice as many.
+    # of twice as many. The first is a connection's, the second its address's.
     max_control_frames_per_second: float = from_setting(lambda c: c.max_control_frames_per_second)
+    max_control_frames_per_second_per_ip: float = from_setting(
+        lambda c: c.max_control_frames_per_second_per_ip
+    )
     # Bytes of a connection's input handled per event-loop turn: one peer's
     # burst cannot hold the loop, the rest waits for the next turn.
     read_bytes_per_turn: int = from_setting(lambda c: c.read_bytes_per_turn)
@@ -97,62 +114,118 @@ class TokenBucket:
         return self._tokens + (now - self._updated) * self.rate >= self.burst
 
 
-def _reset_bucket(limits: ProtocolLimits, now: float) -> TokenBucket:
-    return TokenBucket(limits.max_resets_per_second, 2 * limits.max_resets_per_second, now)
+def _bucket(rate: float, now: float) -> TokenBucket:
+    """`rate` a second, bursts of twice as many: the budgets' shape."""
+    return TokenBucket(rate, 2 * rate, now)
 
 
-class ResetBudgets:
-    """The RST_STREAM budget of each client address, shared by its connections.
+class AddressPacer:
+    """`rate` frames a second on average, bursts of `burst`, for every connection of
+    an address together: how long each one's frames must wait for their turn.
 
-    A bucket outlives its address's connections until it is full again, so
+    A frame's turn is reserved when it is counted (the generic cell rate
+    algorithm: `_due` is when the frames counted so far are paid for), so a
+    waiting connection is woken once, when its turn has come, not to try again.
+    """
+
+    __slots__ = ("_due", "_rate", "_tolerance")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self._rate = rate
+        self._tolerance = burst / rate
+        self._due = now
+
+    def delay(self, frames: int, now: float) -> float:
+        """Count `frames`; the seconds they must wait (0.0 within the burst)."""
+        self._due = max(self._due, now) + frames / self._rate
+        return max(0.0, self._due - self._tolerance - now)
+
+    def idle(self, now: float) -> bool:
+        """Whether its whole burst is available at `now`."""
+        return self._due <= now
+
+
+class AddressBudget:
+    """What every connection from one client address shares: its stream resets,
+    and the pacer of its control frames (see the module docstring)."""
+
+    __slots__ = ("control", "resets")
+
+    def __init__(self, limits: ProtocolLimits, now: float) -> None:
+        self.resets = _bucket(limits.max_resets_per_second, now)
+        rate = limits.max_control_frames_per_second_per_ip
+        self.control = AddressPacer(rate, 2 * rate, now)
+
+    def idle(self, now: float) -> bool:
+        return self.resets.full(now) and self.control.idle(now)
+
+
+class AddressBudgets:
+    """The `AddressBudget` of each client address.
+
+    A budget outlives its address's connections until it is idle again, so
     closing and reopening connections does not refill it. Once more than
-    `FORGET_ABOVE` addresses are known, the full buckets of addresses with no
+    `FORGET_ABOVE` addresses are known, the idle budgets of addresses with no
     open connection are forgotten: the table holds the addresses that are
-    connected or reset streams in the last seconds, not every address ever
-    seen.
+    connected or spent their budgets in the last seconds, not every address
+    ever seen.
     """
 
     FORGET_ABOVE = 1024
 
     def __init__(self, limits: ProtocolLimits) -> None:
         self._limits = limits
-        self._buckets: dict[str, TokenBucket] = {}
+        self._budgets: dict[str, AddressBudget] = {}
 
     def __len__(self) -> int:
-        return len(self._buckets)
+        return len(self._budgets)
 
-    def of(self, address: str, now: float, connected: Container[str] = ()) -> TokenBucket:
-        """The bucket of `address`; `connected`: the addresses with open connections."""
-        bucket = self._buckets.get(address)
-        if bucket is None:
-            if len(self._buckets) >= self.FORGET_ABOVE:
-                self._buckets = {
+    def of(self, address: str, now: float, connected: Container[str] = ()) -> AddressBudget:
+        """The budget of `address`; `connected`: the addresses with open connections."""
+        budget = self._budgets.get(address)
+        if budget is None:
+            if len(self._budgets) >= self.FORGET_ABOVE:
+                self._budgets = {
                     known: kept
-                    for known, kept in self._buckets.items()
-                    if known in connected or not kept.full(now)
+                    for known, kept in self._budgets.items()
+                    if known in connected or not kept.idle(now)
                 }
-            bucket = self._buckets[address] = _reset_bucket(self._limits, now)
-        return bucket
+            budget = self._budgets[address] = AddressBudget(self._limits, now)
+        return budget
 
 
 class ConnectionBudget:
-    """The budgets of one connection, charged from the frames on the wire; `resets`
-    is its address's stream-reset bucket (`ResetBudgets.of`), else one of its own."""
+    """The budgets of one connection, charged from the frames on the wire; `address`
+    is what it shares with its address's other connections (`AddressBudgets.of`),
+    else a budget of its own."""
 
     def __init__(
-        self, limits: ProtocolLimits, now: float, resets: TokenBucket | None = None
+        self, limits: ProtocolLimits, now: float, address: AddressBudget | None = None
     ) -> None:
-        self.resets = _reset_bucket(limits, now) if resets is None else resets
-        self.control = TokenBucket(
-            limits.max_control_frames_per_second, 2 * limits.max_control_frames_per_second, now
-        )
+        self.address = AddressBudget(limits, now) if address is None else address
+        self.control = _bucket(limits.max_control_frames_per_second, now)
+        # What the data sent has earned the peer, kept apart from the rate: the
+        # frames it pays for are answers, which the address's pacer lets by.
+        self._credit = 0.0
+        self._credit_cap = self.control.burst
+        self._free_left = FREE_CONTROL_FRAMES
+        self._unpaid = 0  # control frames counted but not yet reported to the address
         self._preface_left = len(PREFACE)  # the client preface comes before any frame
         self._header = bytearray()  # a frame header split across reads
         self._payload_left = 0  # bytes of the current frame still to skip
 
     def frames_sent(self, count: int = 1) -> None:
         """The server sent DATA or HEADERS frames: the peer may answer them."""
-        self.control.give(CREDIT_PER_FRAME_SENT * count)
+        credit = CREDIT_PER_FRAME_SENT * count
+        self.control.give(credit)
+        self._credit = min(self._credit_cap, self._credit + credit)
+
+    def address_delay(self, now: float) -> float:
+        """The seconds the input charged since the last call must wait for the
+        address's pacer (0.0 nearly always): the frames it held that were
+        neither free nor paid by credit take their turn."""
+        unpaid, self._unpaid = self._unpaid, 0
+        return self.address.control.delay(unpaid, now) if unpaid else 0.0
 
     def charge_input(self, data: bytes, now: float) -> str | None:
         """Account for the frames that start in `data`; the rule broken, or None.
@@ -185,8 +258,16 @@ class ConnectionBudget:
         return broken
 
     def _charge_frame(self, frame_type: int, now: float) -> str | None:
-        if frame_type == RST_STREAM and not self.resets.take(now):
+        if frame_type == RST_STREAM and not self.address.resets.take(now):
             return RAPID_RESET
-        if frame_type not in _REQUEST_FRAMES and not self.control.take(now):
+        if frame_type in _REQUEST_FRAMES:
+            return None
+        if not self.control.take(now):
             return CONTROL_FLOOD
+        if self._free_left:
+            self._free_left -= 1
+        elif self._credit >= 1.0:
+            self._credit -= 1.0
+        else:
+            self._unpaid += 1
         return None

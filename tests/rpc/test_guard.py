@@ -1,4 +1,5 @@
-"""The per-connection HTTP/2 budgets (rpc/guard.py), frame by frame, with time passed in."""
+"""The HTTP/2 budgets of a connection and of its address (rpc/guard.py), frame by
+frame, with time passed in."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from hypothesis import strategies as st
 
 from jobsignal.rpc.guard import (
     CONTROL_FLOOD,
+    FREE_CONTROL_FRAMES,
     PREFACE,
     RAPID_RESET,
+    AddressBudgets,
+    AddressPacer,
     ConnectionBudget,
     ProtocolLimits,
-    ResetBudgets,
 )
 
 LIMITS = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=5)
@@ -98,7 +101,7 @@ def resets(first: int, count: int) -> bytes:
 
 def test_connections_from_one_address_share_its_reset_budget() -> None:
     limits = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=1000)
-    budgets = ResetBudgets(limits)
+    budgets = AddressBudgets(limits)
     first = ConnectionBudget(limits, 0.0, budgets.of("127.0.0.2", 0.0))
     second = ConnectionBudget(limits, 0.0, budgets.of("127.0.0.2", 0.0))
     other = ConnectionBudget(limits, 0.0, budgets.of("127.0.0.3", 0.0))
@@ -114,22 +117,124 @@ def test_connections_from_one_address_share_its_reset_budget() -> None:
     assert again.charge_input(resets(11, 1), 0.5) == RAPID_RESET
 
 
-def test_the_reset_budgets_forget_full_buckets_of_addresses_not_connected(
+def test_the_address_budgets_forget_idle_ones_of_addresses_not_connected(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(ResetBudgets, "FORGET_ABOVE", 3)
-    budgets = ResetBudgets(LIMITS)  # 10 resets a second, bursts of 20
-    spent = budgets.of("127.0.0.2", 0.0)
-    assert spent.take(0.0, 20)
+    monkeypatch.setattr(AddressBudgets, "FORGET_ABOVE", 4)
+    # 10 resets a second (bursts of 20), 10 metered control frames (bursts of 20).
+    limits = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second_per_ip=10)
+    budgets = AddressBudgets(limits)
+    resets_spent = budgets.of("127.0.0.2", 0.0)
+    assert resets_spent.resets.take(0.0, 20)
+    paced = budgets.of("127.0.0.6", 0.0)
+    assert paced.control.delay(20, 0.0) == 0.0  # its whole burst
     connected = budgets.of("127.0.0.3", 0.0)
     budgets.of("127.0.0.4", 0.0)
-    assert len(budgets) == 3
-    # One second later: .2 has half its burst back and is kept, .3 is full but
-    # connected and kept, .4 is full and forgotten to make room for .5.
+    assert len(budgets) == 4
+    # One second later: .2 and .6 have half their bursts back and are kept, .3 is
+    # idle but connected and kept, .4 is idle and forgotten to make room for .5.
     budgets.of("127.0.0.5", 1.0, connected={"127.0.0.3"})
-    assert len(budgets) == 3
-    assert budgets.of("127.0.0.2", 1.0) is spent
+    assert len(budgets) == 4
+    assert budgets.of("127.0.0.2", 1.0) is resets_spent
+    assert budgets.of("127.0.0.6", 1.0) is paced
     assert budgets.of("127.0.0.3", 1.0) is connected
+
+
+def test_the_address_pacer_lets_a_burst_by_then_gives_each_frame_its_turn() -> None:
+    pacer = AddressPacer(rate=10.0, burst=20.0, now=0.0)
+    assert pacer.delay(20, 0.0) == 0.0
+    # Over the burst, each frame's turn is reserved in order: 0.1 s apart.
+    assert pacer.delay(1, 0.0) == pytest.approx(0.1)
+    assert pacer.delay(5, 0.0) == pytest.approx(0.6)
+    assert not pacer.idle(2.5)
+    # Once its turns are paid for, the burst is available again.
+    assert pacer.idle(2.6)
+    assert pacer.delay(20, 2.6) == 0.0
+    # Waiting is what pays: frames counted later wait less.
+    assert pacer.delay(10, 3.1) == pytest.approx(0.5)
+
+
+# An address's pacer lets 10 frames a second by (bursts of 20) beyond each
+# connection's first FREE_CONTROL_FRAMES; a connection alone may send 100 (bursts of 200).
+SHARED = ProtocolLimits(
+    max_resets_per_second=10,
+    max_control_frames_per_second=100,
+    max_control_frames_per_second_per_ip=10,
+)
+
+
+def pings(count: int) -> bytes:
+    return wire(*[PingFrame(0)] * count)
+
+
+def connected(budgets: AddressBudgets, address: str, now: float) -> ConnectionBudget:
+    """A new connection of `address` that has sent its preface and SETTINGS."""
+    fresh = ConnectionBudget(SHARED, now, budgets.of(address, now))
+    assert fresh.charge_input(PREFACE + wire(SettingsFrame(0)), now) is None
+    assert fresh.address_delay(now) == 0.0
+    return fresh
+
+
+def charged(guard: ConnectionBudget, data: bytes, now: float) -> float:
+    """Charge `data`, which breaks no rule; the seconds it must wait for the address."""
+    assert guard.charge_input(data, now) is None
+    return guard.address_delay(now)
+
+
+def test_connections_from_one_address_share_its_pacer_and_wait_their_turn() -> None:
+    budgets = AddressBudgets(SHARED)
+    first = connected(budgets, "127.0.0.2", 0.0)
+    second = connected(budgets, "127.0.0.2", 0.0)
+    other = connected(budgets, "127.0.0.3", 0.0)
+    # Each connection's first frames (its SETTINGS among them) are its own...
+    handshake = FREE_CONTROL_FRAMES - 1
+    assert charged(first, pings(handshake), 0.0) == 0.0
+    assert charged(second, pings(handshake), 0.0) == 0.0
+    # ...beyond them, both draw on the address's burst of 20, far under their own
+    # 200; over it, their input waits its turn instead of being refused.
+    assert charged(first, pings(12), 0.0) == 0.0
+    assert charged(second, pings(8), 0.0) == 0.0
+    assert charged(second, pings(5), 0.0) == pytest.approx(0.5)
+    assert charged(first, pings(1), 0.0) == pytest.approx(0.6)
+    # Another address has a pacer of its own.
+    assert charged(other, pings(handshake + 20), 0.0) == 0.0
+
+
+def test_many_connections_of_one_address_handshake_without_waiting() -> None:
+    """Clients behind one NAT address that connect at once do not wait for each
+    other's handshakes, however many they are; a connection that goes on does."""
+    budgets = AddressBudgets(SHARED)
+    crowd = [connected(budgets, "127.0.0.2", 0.0) for _ in range(100)]
+    for client in crowd:  # SETTINGS ACK, WINDOW_UPDATE, a PING: 4 with the SETTINGS
+        frames = wire(SettingsFrame(0, flags=["ACK"]), WindowUpdateFrame(0, window_increment=1))
+        assert charged(client, frames + pings(1), 0.0) == 0.0
+    assert budgets.of("127.0.0.2", 0.0).control.idle(0.0)
+    assert charged(crowd[0], pings(FREE_CONTROL_FRAMES - 4 + 20), 0.0) == 0.0
+    assert charged(crowd[1], pings(FREE_CONTROL_FRAMES - 4 + 1), 0.0) == pytest.approx(0.1)
+
+
+def test_frames_paid_by_the_data_sent_never_wait_for_the_address() -> None:
+    """A client answering the data it receives (WINDOW_UPDATEs, grpc-go's BDP
+    pings) spends the credit that data earned it, not its address's turns."""
+    budgets = AddressBudgets(SHARED)
+    flooder = connected(budgets, "127.0.0.2", 0.0)
+    neighbour = connected(budgets, "127.0.0.2", 0.0)
+    assert charged(flooder, pings(FREE_CONTROL_FRAMES - 1 + 20), 0.0) == 0.0
+    assert charged(flooder, pings(30), 0.0) == pytest.approx(3.0)  # the address is behind
+    neighbour.frames_sent(50)  # 100 frames of credit
+    updates = wire(*[WindowUpdateFrame(1, window_increment=1)] * 100)
+    assert charged(neighbour, pings(FREE_CONTROL_FRAMES - 1) + updates, 0.0) == 0.0
+    # Its credit spent, the neighbour's next frame takes a turn like any other.
+    assert charged(neighbour, pings(1), 0.0) == pytest.approx(3.1)
+
+
+def test_a_connection_over_its_own_budget_is_still_cut_off() -> None:
+    """The address's pacer slows; a single connection over its own budget is a
+    flood all the same, and gets GOAWAY as before."""
+    limits = ProtocolLimits(max_control_frames_per_second=5, max_control_frames_per_second_per_ip=1)
+    guard = ConnectionBudget(limits, 0.0, AddressBudgets(limits).of("127.0.0.2", 0.0))
+    assert guard.charge_input(PREFACE + pings(10), 0.0) is None
+    assert guard.charge_input(pings(1), 0.0) == CONTROL_FLOOD
 
 
 # A frame on the wire as the budget sees it: its type and its payload's length.

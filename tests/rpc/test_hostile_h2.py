@@ -43,7 +43,7 @@ from hyperframe.frame import (
 
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, Status
 from jobsignal.rpc import output as output_module
-from jobsignal.rpc.guard import CONTROL_FLOOD, RAPID_RESET, ProtocolLimits
+from jobsignal.rpc.guard import CONTROL_FLOOD, FREE_CONTROL_FRAMES, RAPID_RESET, ProtocolLimits
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.session import SessionSettings
 from jobsignal.rpc.writer import WRITE_SLICE
@@ -56,7 +56,7 @@ from tests.support.grpc_server import (
     open_jobsignal_server,
 )
 from tests.support.grpcio import GrpcioClients, GrpcioStream
-from tests.support.h2_client import grpc_frame
+from tests.support.h2_client import OTHER_LOOPBACK, grpc_frame
 from tests.support.threads import in_thread
 from tests.support.waiting import wait_until
 
@@ -208,10 +208,15 @@ class RawPeer:
 
 
 @asynccontextmanager
-async def raw_peer(port: int, *, receive_buffer: int | None = None) -> AsyncIterator[RawPeer]:
+async def raw_peer(
+    port: int, *, receive_buffer: int | None = None, source: str | None = None
+) -> AsyncIterator[RawPeer]:
+    """A connection to 127.0.0.1:`port`, from the address `source` if given."""
     sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
     if receive_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    if source is not None:
+        await sock.bind((source, 0))
     await sock.connect(("127.0.0.1", port))
     stream = trio.SocketStream(sock)
     try:
@@ -359,6 +364,45 @@ async def test_connections_from_one_address_share_one_reset_budget() -> None:
         assert first.goaway() is None
         await first.assert_serves_a_request(1003)
         assert server.connections.closed_by_server[RAPID_RESET] == 1
+
+
+async def test_a_control_flood_spread_over_connections_waits_for_its_address(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """Eight connections from one address, each sending 10 WINDOW_UPDATEs beyond
+    its handshake and then a request: far under a connection's budget, together
+    over the address's burst of 40 (20 a second). Nobody is cut off: their input
+    waits its turn, so their requests are answered seconds later, while a client
+    of another address is served at once."""
+    limits = ProtocolLimits(
+        max_control_frames_per_second=1000, max_control_frames_per_second_per_ip=20
+    )
+    update = WindowUpdateFrame(0, window_increment=1)
+    async with (
+        open_jobsignal_server(local_settings(protocol_limits=limits)) as server,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        flooders = [
+            await stack.enter_async_context(raw_peer(server.port, source=OTHER_LOOPBACK))
+            for _ in range(8)
+        ]
+        started = trio.current_time()
+        for peer in flooders:
+            await peer.handshake()  # (its SETTINGS is the first of its free frames)
+            await peer.send(*[update] * (FREE_CONTROL_FRAMES - 1 + 10))
+        await wait_until(lambda: server.connections.input_held >= 1, within=WAIT)
+        async with raw_peer(server.port) as neighbour:
+            await neighbour.handshake()
+            await neighbour.assert_serves_a_request(1)
+        assert trio.current_time() - started < 0.5
+        for peer in flooders:
+            await peer.assert_serves_a_request(1)
+        # 88 frames and 8 requests' DATA beyond the burst of 40, at 20 a second:
+        # the last request's turn comes about 2.8 s after the first frames.
+        assert trio.current_time() - started >= 2.0
+        assert all(peer.goaway() is None for peer in flooders)
+        assert not server.connections.closed_by_server
+        assert server.connections.input_held >= 4
 
 
 async def test_streams_reset_before_they_start_are_released_at_once() -> None:
