@@ -405,6 +405,46 @@ async def test_a_control_flood_spread_over_connections_waits_for_its_address(
         assert server.connections.input_held >= 4
 
 
+async def test_a_grpcio_client_on_a_flooded_address_is_not_held(
+    grpc_clients: GrpcioClients,
+) -> None:
+    """The flood comes from the healthy client's own address (a NAT neighbour)
+    and puts its pacer about 40 s behind. Then 9 MiB of events, which the client
+    can only receive by opening its windows again and again: its WINDOW_UPDATEs
+    (and grpcio's BDP pings) answer the data, are paid by the credit it earned,
+    and are not held."""
+    limits = ProtocolLimits(
+        max_control_frames_per_second=1000, max_control_frames_per_second_per_ip=20
+    )
+    update = WindowUpdateFrame(0, window_increment=1)
+    async with (
+        trio.open_nursery() as nursery,
+        open_jobsignal_server(local_settings(protocol_limits=limits)) as server,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        healthy = await open_healthy(server, grpc_clients, nursery)
+        flooders = [await stack.enter_async_context(raw_peer(server.port)) for _ in range(8)]
+
+        async def attack() -> None:
+            for peer in flooders:
+                await peer.handshake()
+                await peer.send(*[update] * 100)
+
+        await publish_while(server, healthy, attack)
+        await wait_until(lambda: server.connections.input_held >= 1, within=WAIT)
+        for index in range(len(healthy.published) + 1, len(healthy.published) + 65):
+            job = make_job(index, npus=2048)  # a signal of about 144 KiB
+            healthy.published.append(job.job_id)
+            server.broadcaster.publish([job])
+        await wait_until(
+            lambda: [m.jobId for m in healthy.stream.messages] == healthy.published,
+            within=5.0,
+            what="the healthy subscriber to receive every event before the pacer's turn",
+        )
+        assert not healthy.stream.ended.is_set()
+        assert not server.connections.closed_by_server
+
+
 async def test_streams_reset_before_they_start_are_released_at_once() -> None:
     """Resets under the budget: the connection stays, but no reset stream stays in it."""
     async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
