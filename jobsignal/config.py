@@ -374,9 +374,9 @@ class Config:
         "2000",
         _per_second,
         "the same frames per second one client address may send over all its connections,"
-        " not counting each connection's first 10 and those answering data the server sent"
-        " (bursts of twice as many); beyond: its connections' input waits its turn"
-        " (nothing is closed)",
+        " not counting those answering data the server sent nor each connection's own"
+        " allowance (10 at once, for its handshake, then 1 a second) (bursts of twice as"
+        " many); beyond: its connections' input waits its turn (nothing is closed)",
         group="HTTP/2 protection",
     )
     read_bytes_per_turn: int = setting(

@@ -22,16 +22,18 @@ sends GOAWAY ENHANCE_YOUR_CALM.
   sends, because a client legitimately answers the data it receives with
   WINDOW_UPDATEs (one for the stream, one for the connection) and grpc-go
   pings with them (BDP estimation).
-- The same frames once more, for the address: those that are neither among
-  a connection's first `FREE_CONTROL_FRAMES` (its handshake) nor paid by the
-  credit its received data earned are metered by a pacer its connections
+- The same frames once more, for the address: those that are neither paid
+  by the credit the connection's received data earned nor within its own
+  small allowance (`FREE_CONTROL_FRAMES` at once, for its handshake, then
+  `FREE_CONTROL_FRAMES_PER_SECOND`: an idle client's keepalive PING, an
+  occasional request) are metered by a pacer its address's connections
   share (`AddressPacer`). Over its rate, nobody is cut off: the connection's
   input waits (`ConnectionBudget.address_delay`) until the address's share
   comes round again. A peer spreading a flood over many connections, each
   under its own budget, is slowed to the address's rate; reconnecting gains
   it nothing but 10 frames per TCP and HTTP/2 handshake; and the clients
-  behind one NAT address, whose frames answer the data they receive or make
-  their handshakes, go on as before.
+  behind one NAT address, whose frames answer the data they receive, make
+  their handshakes or come now and then, go on as before.
 
 These are what grpc-go, gRPC core, nginx and Envoy bound too; the defaults
 are far above what any real client sends (see docs/architecture.md
@@ -51,10 +53,12 @@ CONTROL_FLOOD = "control_flood"
 # Tokens a sent DATA or HEADERS frame earns the peer: a WINDOW_UPDATE for the
 # stream and one for the connection.
 CREDIT_PER_FRAME_SENT = 2.0
-# Control frames of each connection the address's pacer does not meter: a
-# handshake (SETTINGS, the ACK of the server's, a WINDOW_UPDATE, the first
-# requests, a PING) with room to spare.
+# Control frames of each connection the address's pacer does not meter, besides
+# those its credit pays for: a handshake's at once (SETTINGS, the ACK of the
+# server's, a WINDOW_UPDATE, the first requests, a PING) with room to spare,
+# then one a second (keepalive PINGs, an occasional request).
 FREE_CONTROL_FRAMES = 10
+FREE_CONTROL_FRAMES_PER_SECOND = 1.0
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER_SIZE = 9
@@ -208,8 +212,9 @@ class ConnectionBudget:
         # frames it pays for are answers, which the address's pacer lets by.
         self._credit = 0.0
         self._credit_cap = self.control.burst
-        self._free_left = FREE_CONTROL_FRAMES
+        self._allowance = TokenBucket(FREE_CONTROL_FRAMES_PER_SECOND, FREE_CONTROL_FRAMES, now)
         self._unpaid = 0  # control frames counted but not yet reported to the address
+        self.framed = False  # whether a frame has come after the preface
         self._preface_left = len(PREFACE)  # the client preface comes before any frame
         self._header = bytearray()  # a frame header split across reads
         self._payload_left = 0  # bytes of the current frame still to skip
@@ -222,8 +227,8 @@ class ConnectionBudget:
 
     def address_delay(self, now: float) -> float:
         """The seconds the input charged since the last call must wait for the
-        address's pacer (0.0 nearly always): the frames it held that were
-        neither free nor paid by credit take their turn."""
+        address's pacer (0.0 nearly always): the frames it held that neither
+        its credit nor its allowance paid for take their turn."""
         unpaid, self._unpaid = self._unpaid, 0
         return self.address.control.delay(unpaid, now) if unpaid else 0.0
 
@@ -258,16 +263,15 @@ class ConnectionBudget:
         return broken
 
     def _charge_frame(self, frame_type: int, now: float) -> str | None:
+        self.framed = True
         if frame_type == RST_STREAM and not self.address.resets.take(now):
             return RAPID_RESET
         if frame_type in _REQUEST_FRAMES:
             return None
         if not self.control.take(now):
             return CONTROL_FLOOD
-        if self._free_left:
-            self._free_left -= 1
-        elif self._credit >= 1.0:
+        if self._credit >= 1.0:
             self._credit -= 1.0
-        else:
+        elif not self._allowance.take(now):
             self._unpaid += 1
         return None

@@ -155,7 +155,8 @@ def test_the_address_pacer_lets_a_burst_by_then_gives_each_frame_its_turn() -> N
 
 
 # An address's pacer lets 10 frames a second by (bursts of 20) beyond each
-# connection's first FREE_CONTROL_FRAMES; a connection alone may send 100 (bursts of 200).
+# connection's allowance (FREE_CONTROL_FRAMES at once, then one a second) and
+# credit; a connection alone may send 100 (bursts of 200).
 SHARED = ProtocolLimits(
     max_resets_per_second=10,
     max_control_frames_per_second=100,
@@ -226,6 +227,18 @@ def test_frames_paid_by_the_data_sent_never_wait_for_the_address() -> None:
     assert charged(neighbour, pings(FREE_CONTROL_FRAMES - 1) + updates, 0.0) == 0.0
     # Its credit spent, the neighbour's next frame takes a turn like any other.
     assert charged(neighbour, pings(1), 0.0) == pytest.approx(3.1)
+
+
+def test_a_connections_occasional_frame_never_waits_for_the_address() -> None:
+    """Beyond its handshake, each connection may send one frame a second of its
+    own (an idle client's keepalive PING) while its address's pacer is behind."""
+    budgets = AddressBudgets(SHARED)
+    flooder = connected(budgets, "127.0.0.2", 0.0)
+    idle = connected(budgets, "127.0.0.2", 0.0)
+    assert charged(idle, pings(FREE_CONTROL_FRAMES - 1), 0.0) == 0.0
+    assert charged(flooder, pings(FREE_CONTROL_FRAMES - 1 + 20 + 50), 0.0) == pytest.approx(5.0)
+    assert charged(idle, pings(1), 1.0) == 0.0
+    assert charged(idle, pings(1), 1.0) == pytest.approx(4.1)  # its second in that second
 
 
 def test_a_connection_over_its_own_budget_is_still_cut_off() -> None:

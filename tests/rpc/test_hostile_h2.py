@@ -369,38 +369,55 @@ async def test_connections_from_one_address_share_one_reset_budget() -> None:
 async def test_a_control_flood_spread_over_connections_waits_for_its_address(
     io_clock: trio.testing.MockClock,
 ) -> None:
-    """Eight connections from one address, each sending 10 WINDOW_UPDATEs beyond
-    its handshake and then a request: far under a connection's budget, together
+    """Eight connections from one address, each sending 20 WINDOW_UPDATEs beyond
+    its allowance and then a request: far under a connection's budget, together
     over the address's burst of 40 (20 a second). Nobody is cut off: their input
-    waits its turn, so their requests are answered seconds later, while a client
-    of another address is served at once."""
+    waits its turn, so their requests are answered seconds later. Meanwhile a
+    client of another address is served at once, and so is an idle client of the
+    same address whose SETTINGS comes a second after its handshake."""
     limits = ProtocolLimits(
         max_control_frames_per_second=1000, max_control_frames_per_second_per_ip=20
     )
     update = WindowUpdateFrame(0, window_increment=1)
+
+    def acked(count: int) -> Callable[[RawPeer], bool]:
+        """Until the server has acknowledged `count` SETTINGS frames."""
+        return lambda peer: (
+            count <= sum(isinstance(f, SettingsFrame) and "ACK" in f.flags for f in peer.frames)
+        )
+
     async with (
         open_jobsignal_server(local_settings(protocol_limits=limits)) as server,
         contextlib.AsyncExitStack() as stack,
     ):
+        idle = await stack.enter_async_context(raw_peer(server.port, source=OTHER_LOOPBACK))
+        await idle.handshake()
+        # Its whole allowance, with its first SETTINGS (no PINGs: strikes, with no data).
+        await idle.send(*[SettingsFrame(0) for _ in range(FREE_CONTROL_FRAMES - 1)])
+        await idle.read_until(acked(FREE_CONTROL_FRAMES))
         flooders = [
             await stack.enter_async_context(raw_peer(server.port, source=OTHER_LOOPBACK))
             for _ in range(8)
         ]
         started = trio.current_time()
         for peer in flooders:
-            await peer.handshake()  # (its SETTINGS is the first of its free frames)
-            await peer.send(*[update] * (FREE_CONTROL_FRAMES - 1 + 10))
+            await peer.handshake()
+            await peer.send(*[update] * (FREE_CONTROL_FRAMES - 1 + 20))
         await wait_until(lambda: server.connections.input_held >= 1, within=WAIT)
         async with raw_peer(server.port) as neighbour:
             await neighbour.handshake()
             await neighbour.assert_serves_a_request(1)
         assert trio.current_time() - started < 0.5
+        await trio.sleep_until(started + 1.5)
+        await idle.send(SettingsFrame(0))
+        await idle.read_until(acked(FREE_CONTROL_FRAMES + 1))
+        assert trio.current_time() - started < 2.0
         for peer in flooders:
             await peer.assert_serves_a_request(1)
-        # 88 frames and 8 requests' DATA beyond the burst of 40, at 20 a second:
-        # the last request's turn comes about 2.8 s after the first frames.
-        assert trio.current_time() - started >= 2.0
-        assert all(peer.goaway() is None for peer in flooders)
+        # 160 frames beyond the burst of 40, at 20 a second: the last flooder's
+        # turn comes 6 s after its frames were counted.
+        assert trio.current_time() - started >= 5.5
+        assert all(peer.goaway() is None for peer in [idle, *flooders])
         assert not server.connections.closed_by_server
         assert server.connections.input_held >= 4
 
