@@ -323,9 +323,10 @@ class ObservedH2Protocol(H2Protocol):
             return
         delay = self.budget.address_delay(now)
         if delay > 0.0:
-            if self._handshake_timer is not None and self.budget.framed:
-                # The preface and a frame (SETTINGS, or h2 will say otherwise)
-                # have come: the wait is the pacer's, not the peer's.
+            if self._handshake_timer is not None:
+                # Only frames after the preface are counted, so the preface and a
+                # frame (SETTINGS, or h2 will say otherwise) have come: the wait is
+                # the pacer's, not the peer's.
                 self._handshake_timer.cancel()
                 self._handshake_timer = None
             self._table.input_held += 1

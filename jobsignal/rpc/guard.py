@@ -210,11 +210,9 @@ class ConnectionBudget:
         self.control = _bucket(limits.max_control_frames_per_second, now)
         # What the data sent has earned the peer, kept apart from the rate: the
         # frames it pays for are answers, which the address's pacer lets by.
-        self._credit = 0.0
-        self._credit_cap = self.control.burst
+        self._credit = 0.0  # (at most the connection's burst)
         self._allowance = TokenBucket(FREE_CONTROL_FRAMES_PER_SECOND, FREE_CONTROL_FRAMES, now)
         self._unpaid = 0  # control frames counted but not yet reported to the address
-        self.framed = False  # whether a frame has come after the preface
         self._preface_left = len(PREFACE)  # the client preface comes before any frame
         self._header = bytearray()  # a frame header split across reads
         self._payload_left = 0  # bytes of the current frame still to skip
@@ -223,7 +221,7 @@ class ConnectionBudget:
         """The server sent DATA or HEADERS frames: the peer may answer them."""
         credit = CREDIT_PER_FRAME_SENT * count
         self.control.give(credit)
-        self._credit = min(self._credit_cap, self._credit + credit)
+        self._credit = min(self.control.burst, self._credit + credit)
 
     def address_delay(self, now: float) -> float:
         """The seconds the input charged since the last call must wait for the
@@ -263,7 +261,6 @@ class ConnectionBudget:
         return broken
 
     def _charge_frame(self, frame_type: int, now: float) -> str | None:
-        self.framed = True
         if frame_type == RST_STREAM and not self.address.resets.take(now):
             return RAPID_RESET
         if frame_type in _REQUEST_FRAMES:
