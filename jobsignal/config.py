@@ -331,10 +331,17 @@ class Config:
         group="limits",
     )
     keepalive_time: float = setting(
-        "60", _positive_float, "server PING interval to find dead peers", group="keepalive"
+        "60",
+        _positive_float,
+        "seconds of silence from a peer after which the server PINGs it, to find dead peers",
+        group="keepalive",
     )
     keepalive_timeout: float = setting(
-        "5", _positive_float, "seconds to wait for a PING ACK", group="keepalive"
+        "5",
+        _positive_float,
+        "seconds after such a PING with nothing read (not even its ACK) before the connection is"
+        " closed",
+        group="keepalive",
     )
     min_client_ping_interval: float = setting(
         "3",

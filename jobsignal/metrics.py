@@ -147,9 +147,9 @@ class JobsignalCollector(Collector):
         )
         yield _counter(
             "jobsignal_connections_closed_by_server_total",
-            "gRPC connections the server closed on the peer's misbehaviour, by reason"
-            " (too_many_pings, rapid_reset, control_flood, handshake_timeout, write_stalled,"
-            " protocol_error, internal_error).",
+            "gRPC connections the server closed on the peer's misbehaviour or silence, by"
+            " reason (too_many_pings, rapid_reset, control_flood, handshake_timeout,"
+            " write_stalled, keepalive_timeout, protocol_error, internal_error).",
             "reason",
             sources.connections_closed_by_server(),
         )

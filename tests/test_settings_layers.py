@@ -20,6 +20,7 @@ from jobsignal.fanout import Broadcaster
 from jobsignal.kube.watcher import WatchSettings
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.guard import ProtocolLimits
+from jobsignal.rpc.keepalive import KeepalivePolicy
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import ServerSettings
@@ -31,6 +32,7 @@ PACKAGE = Path(__file__).parent.parent / "jobsignal"
 LAYER_SETTINGS: list[type[LayerSettings]] = [
     SessionSettings,
     PingPolicy,
+    KeepalivePolicy,
     ProtocolLimits,
     Limits,
     WatchSettings,
@@ -105,8 +107,8 @@ REACHES: dict[str, tuple[str, str | dict[str, object]]] = {
     "max_pending_messages": ("1026", "broadcaster.max_pending"),
     "max_pending_bytes": ("67108865", "broadcaster.max_pending_bytes"),
     "send_timeout": ("61", "server.session.send_timeout"),
-    "keepalive_time": ("62", "server.keepalive_time"),
-    "keepalive_timeout": ("6", "server.keepalive_timeout"),
+    "keepalive_time": ("62", "server.keepalive.interval"),
+    "keepalive_timeout": ("6", "server.keepalive.timeout"),
     "min_client_ping_interval": ("4", "server.ping_policy.min_interval"),
     "ping_strikes": ("3", "server.ping_policy.max_strikes"),
     "handshake_timeout": ("7", "server.protocol_limits.handshake_timeout"),

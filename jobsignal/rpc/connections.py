@@ -9,6 +9,8 @@ wraps it in `ObservedH2Protocol`, which owns what one connection may do:
 - the abuse budgets of `rpc.guard` (Rapid Reset, control-frame floods) end
   the connection with GOAWAY ENHANCE_YOUR_CALM;
 - a handshake timeout for peers that never send the preface and SETTINGS;
+- server keepalive: a PING to a peer quiet for `--keepalive-time`, and the
+  connection closed when nothing comes back (`rpc.keepalive`);
 - at most `read_bytes_per_turn` of input per event-loop turn, so one peer's
   burst cannot hold the loop;
 - a peer that does not read: the server stops reading from it (its PINGs and
@@ -51,6 +53,7 @@ from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.guard import AddressBudgets, ConnectionBudget, ProtocolLimits
+from jobsignal.rpc.keepalive import KeepalivePolicy, Liveness, PeerLiveness
 from jobsignal.rpc.limits import ConnectionCounter, Limits
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
 from jobsignal.text import quote
@@ -61,6 +64,9 @@ fault_log = RateLimitedLog(log)
 TOO_MANY_PINGS = "too_many_pings"
 HANDSHAKE_TIMEOUT = "handshake_timeout"
 WRITE_STALLED = "write_stalled"
+KEEPALIVE_TIMEOUT = "keepalive_timeout"
+# The opaque data of the server's keepalive PINGs (any 8 bytes do; nothing checks them).
+KEEPALIVE_PING = b"jobsignl"
 PROTOCOL_ERROR = "protocol_error"
 INTERNAL_ERROR = "internal_error"
 RESOURCE_EXHAUSTED = 8
@@ -87,8 +93,10 @@ class ConnectionTable:
         ping_policy: PingPolicy,
         limits: Limits | None = None,
         protocol_limits: ProtocolLimits | None = None,
+        keepalive: KeepalivePolicy | None = None,
     ) -> None:
         self.ping_policy = ping_policy
+        self.keepalive = keepalive or KeepalivePolicy()
         self.limits = limits or Limits()
         self.protocol_limits = protocol_limits or ProtocolLimits()
         self.counter = ConnectionCounter(
@@ -105,7 +113,7 @@ class ConnectionTable:
         self._open: set[ObservedH2Protocol] = set()
         self._none_open: trio.Event | None = None  # set when the last transport closes
         self.closing = False
-        # Connections the server closed on a peer's misbehaviour, by reason.
+        # Connections the server closed on a peer's misbehaviour or silence, by reason.
         self.closed_by_server: Counter[str] = Counter()
         self.streams_refused = 0
         # Times a connection's input waited for its address's control-frame pacer.
@@ -187,6 +195,7 @@ class ObservedH2Protocol(H2Protocol):
         self._linger: asyncio.TimerHandle | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._keepalive_timer: asyncio.TimerHandle | None = None
         # Input charged to the budgets and waiting for the address's pacer.
         self._held: bytes | None = None
         self._hold_timer: asyncio.TimerHandle | None = None
@@ -222,10 +231,12 @@ class ObservedH2Protocol(H2Protocol):
         table = self._table
         shared = table.address_budgets.of(self.ip, now, connected=table.counter.per_ip)
         self.budget = ConnectionBudget(self._limits, now, shared)
+        self.liveness = PeerLiveness(table.keepalive, now)
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(
             self._limits.handshake_timeout, self._handshake_expired
         )
+        self._keepalive_timer = loop.call_later(table.keepalive.interval, self._check_liveness)
         advertised = self._table.limits.max_streams_per_connection
         _grpclib.advertise_stream_limit(self._h2, advertised, hard_stream_limit(advertised))
         _grpclib.lighten_settings(self._h2)
@@ -260,10 +271,18 @@ class ObservedH2Protocol(H2Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         # Timers would keep this protocol alive.
-        for timer in (self._linger, self._handshake_timer, self._stall_timer, self._hold_timer):
+        timers = (
+            self._linger,
+            self._handshake_timer,
+            self._stall_timer,
+            self._hold_timer,
+            self._keepalive_timer,
+        )
+        for timer in timers:
             if timer is not None:
                 timer.cancel()
         self._linger = self._handshake_timer = self._stall_timer = self._hold_timer = None
+        self._keepalive_timer = None
         self._held = None
         self._input.clear()
         self._table.lost(self)
@@ -317,6 +336,7 @@ class ObservedH2Protocol(H2Protocol):
         chunk = bytes(self._input[:share])
         del self._input[:share]
         now = trio.current_time()
+        self.liveness.heard(now)
         broken = self.budget.charge_input(chunk, now)
         if broken is not None:
             self._enhance_your_calm(broken)
@@ -484,6 +504,30 @@ class ObservedH2Protocol(H2Protocol):
             self._limits.handshake_timeout,
         )
         self.goaway(ErrorCodes.PROTOCOL_ERROR, HANDSHAKE_TIMEOUT.encode())
+
+    def _check_liveness(self) -> None:
+        self._keepalive_timer = None
+        if self.connection.is_closing():
+            return
+        now = trio.current_time()
+        if self._reading_paused:
+            # The server is the one not listening (input held for the pacer, or a
+            # peer that does not read, which the write-stall timeout judges).
+            self.liveness.heard(now)
+        verdict, delay = self.liveness.check(now)
+        if verdict is Liveness.GONE:
+            self._count_close(
+                KEEPALIVE_TIMEOUT,
+                "nothing read within %gs of a keepalive PING",
+                self.liveness.policy.timeout,
+            )
+            # The peer is gone: nothing buffered for it will be read.
+            self.abort()
+            return
+        if verdict is Liveness.PING:
+            self._h2.ping(KEEPALIVE_PING)
+            self.connection.flush()
+        self._keepalive_timer = asyncio.get_running_loop().call_later(delay, self._check_liveness)
 
     def _write_stalled(self) -> None:
         self._stall_timer = None

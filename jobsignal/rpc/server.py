@@ -31,6 +31,7 @@ from jobsignal.rpc.codec import PassthroughCodec
 from jobsignal.rpc.connections import ConnectionTable, JobsignalServer
 from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.health import Health, service_name
+from jobsignal.rpc.keepalive import KeepalivePolicy
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.reflection import LazyReflection
 from jobsignal.rpc.registry import Registry
@@ -61,8 +62,7 @@ class ServerSettings(LayerSettings):
     more_addresses: tuple[tuple[str, int], ...] = from_setting(lambda c: c.listen[1:])
     session: SessionSettings = from_setting(SessionSettings.from_config)
     ping_policy: PingPolicy = from_setting(PingPolicy.from_config)
-    keepalive_time: float = from_setting(lambda c: c.keepalive_time)
-    keepalive_timeout: float = from_setting(lambda c: c.keepalive_timeout)
+    keepalive: KeepalivePolicy = from_setting(KeepalivePolicy.from_config)
     shutdown_grace: float = from_setting(lambda c: c.shutdown_grace)
     max_request_bytes: int = from_setting(lambda c: c.max_request_bytes)
     # grpclib's default of 100 starves handshakes when many clients connect at once.
@@ -90,17 +90,9 @@ class RunningServer:
     rate_limited: Callable[[], dict[str, int]]
 
 
-def _grpclib_config(settings: ServerSettings) -> Configuration:
-    # Server pings find dead peers (docs/architecture.md section 3); keep pinging quiet
-    # connections, since a quiet subscription is exactly what must be checked.
-    return Configuration(
-        _keepalive_time=settings.keepalive_time,
-        _keepalive_timeout=settings.keepalive_timeout,
-        _keepalive_permit_without_calls=True,
-        _http2_max_pings_without_data=0,
-        _http2_min_sent_ping_interval_without_data=settings.keepalive_time / 2,
-    )
-
+# Server keepalive is jobsignal's own, on trio's clock (rpc/keepalive.py): grpclib's
+# (every 2 h by default, its spacing measured by time.monotonic()) is turned off.
+GRPCLIB_CONFIG = Configuration(_keepalive_time=None)
 
 SOURCE_HEALTH_NAME = "jobsignal.KubernetesSync"
 
@@ -144,7 +136,9 @@ async def run_grpc_server(
 ) -> None:
     """Serve until `shutdown`; health turns NOT_SERVING when `draining` (or `shutdown`) is set."""
     draining = trio.Event() if draining is None else draining
-    connections = ConnectionTable(settings.ping_policy, settings.limits, settings.protocol_limits)
+    connections = ConnectionTable(
+        settings.ping_policy, settings.limits, settings.protocol_limits, settings.keepalive
+    )
     service = JobService(
         registry=registry,
         broadcaster=broadcaster,
@@ -174,7 +168,7 @@ async def run_grpc_server(
         server = JobsignalServer(
             services,
             codec=PassthroughCodec(settings.max_request_bytes),
-            config=_grpclib_config(settings),
+            config=GRPCLIB_CONFIG,
             connections=connections,
         )
         listeners = await trio_asyncio.aio_as_trio(_grpclib.start_server)(

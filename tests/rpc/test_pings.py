@@ -54,9 +54,7 @@ async def test_idle_rule_spares_pinging_clients_and_closes_silent_ones(
     grpc_clients: GrpcioClients,
 ) -> None:
     idle = 2.5
-    settings = local_settings(
-        session=SessionSettings(idle_timeout=idle), ping_policy=LENIENT, keepalive_time=60.0
-    )
+    settings = local_settings(session=SessionSettings(idle_timeout=idle), ping_policy=LENIENT)
     async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
         pinging = grpc_clients.connect(server.target, **KEEPALIVE)
         silent = grpc_clients.connect(server.target)

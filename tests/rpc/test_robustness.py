@@ -202,25 +202,6 @@ async def test_garbage_instead_of_the_http2_preface(grpc_clients: GrpcioClients)
         await assert_still_serving(server, grpc_clients)
 
 
-async def test_silent_connection_is_closed_by_server_keepalive(
-    grpc_clients: GrpcioClients,
-) -> None:
-    settings = local_settings(keepalive_time=0.3, keepalive_timeout=0.3)
-    async with open_jobsignal_server(settings) as server:
-        client = grpc_clients.connect(server.target)
-        client_id = await in_thread(client.register_id, "CCAgent")
-        await in_thread(client.close)
-        # A peer that subscribes and then goes silent without closing its
-        # socket: it never reads again, so it never answers the server's PINGs.
-        peer = await H2Client.connect(server.port)
-        await peer.request(
-            "/job.Job/SubscribeJobSummarySignal", grpc_frame(client_info("CCAgent", client_id))
-        )
-        await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
-        await wait_until(lambda: all_released(server), what="silent peer dropped")
-        await peer.aclose()
-
-
 GRPC = "application/grpc"
 REGISTER = "/job.Job/Register"
 SUBSCRIBE = "/job.Job/SubscribeJobSummarySignal"

@@ -1,0 +1,166 @@
+"""Server keepalive (rpc/keepalive.py): the rule alone, then the real server in virtual time.
+
+The server's PINGs, and the close of a peer that does not answer, run on
+trio's clock: the tests below use the default settings (a PING after 60 s
+of silence, 5 s for anything to come back) under `io_clock`, with raw
+HTTP/2 peers on 127.0.0.1 that answer, stay silent or talk on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import trio
+import trio.testing
+from hyperframe.frame import DataFrame, PingFrame, WindowUpdateFrame
+
+from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
+from jobsignal.rpc.guard import FREE_CONTROL_FRAMES, ProtocolLimits
+from jobsignal.rpc.keepalive import KeepalivePolicy, Liveness, PeerLiveness
+from tests.support.grpc_server import local_settings, open_jobsignal_server
+from tests.support.h2_client import OTHER_LOOPBACK
+from tests.support.waiting import wait_until
+
+from .test_hostile_h2 import RawPeer, grpc_request_headers, raw_peer, register_body
+from .test_robustness import all_released
+
+POLICY = KeepalivePolicy(interval=60.0, timeout=5.0)
+
+
+# -- the rule --------------------------------------------------------------------------------------
+
+
+def test_a_quiet_peer_is_pinged_after_the_interval_and_gone_after_the_timeout() -> None:
+    liveness = PeerLiveness(POLICY, now=100.0)
+    assert liveness.check(130.0) == (Liveness.WAIT, 30.0)
+    assert liveness.check(160.0) == (Liveness.PING, 5.0)
+    assert liveness.check(165.0) == (Liveness.GONE, 0.0)
+
+
+def test_input_after_the_ping_keeps_the_peer_even_at_the_same_instant() -> None:
+    liveness = PeerLiveness(POLICY, now=0.0)
+    assert liveness.check(60.0) == (Liveness.PING, 5.0)
+    liveness.heard(60.0)  # the ACK, read before the clock moved
+    assert liveness.check(65.0) == (Liveness.WAIT, 55.0)
+    assert liveness.check(120.0) == (Liveness.PING, 5.0)
+
+
+def test_a_peer_that_talks_is_never_pinged() -> None:
+    liveness = PeerLiveness(POLICY, now=0.0)
+    now = 0.0
+    while now < 600.0:
+        verdict, delay = liveness.check(now)
+        assert verdict is Liveness.WAIT
+        now += min(delay, 40.0)
+        liveness.heard(now)
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+def pings_from_server(peer: RawPeer) -> list[PingFrame]:
+    return [f for f in peer.frames if isinstance(f, PingFrame) and "ACK" not in f.flags]
+
+
+def more_pings_than(count: int) -> Callable[[RawPeer], bool]:
+    return lambda peer: len(pings_from_server(peer)) > count
+
+
+def acked(count: int) -> Callable[[RawPeer], bool]:
+    """Until the server has ACKed `count` of the peer's PINGs."""
+    return lambda peer: (
+        count <= sum(isinstance(f, PingFrame) and "ACK" in f.flags for f in peer.frames)
+    )
+
+
+async def answer_pings(peer: RawPeer, *, until: float) -> None:
+    """Read the server's frames and ACK each of its PINGs, until trio's clock says `until`."""
+    answered = 0
+    with trio.move_on_at(until):
+        while not peer.closed:
+            await peer.read_until(more_pings_than(answered), within=1e9)
+            for ping in pings_from_server(peer)[answered:]:
+                await peer.send(PingFrame(0, opaque_data=ping.opaque_data, flags=["ACK"]))
+                answered += 1
+
+
+async def test_a_silent_subscriber_is_closed_and_released_after_interval_and_timeout(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that subscribes and then goes silent without closing its socket (its
+    host died): it never answers the PING, so it is closed and its subscription
+    released 65 s after it was last heard, well before the idle rule's 120 s."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await peer.handshake()
+        client_id = await peer.register(1)
+        await peer.subscribe(3, "CCAgent", client_id)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+        last_heard = trio.current_time()
+        # It reads (and so sees the PING) but never sends again.
+        await peer.read_until(lambda p: False, within=300)
+        assert peer.closed
+        assert trio.current_time() - last_heard == pytest.approx(65.0, abs=0.5)
+        assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 1
+        await wait_until(lambda: all_released(server), what="the silent peer's subscription")
+        assert len(pings_from_server(peer)) == 1
+
+
+async def test_a_peer_that_answers_stays_and_is_pinged_once_a_quiet_minute(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """A connection without streams whose peer ACKs every PING: kept for ten
+    minutes, with one PING per 60 s of silence."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await peer.handshake()
+        started = trio.current_time()
+        await answer_pings(peer, until=started + 610.0)
+        assert not peer.closed and peer.goaway() is None
+        assert len(server.connections) == 1
+        assert len(pings_from_server(peer)) == 10
+        assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 0
+
+
+async def test_a_peer_that_pings_on_its_own_is_not_pinged(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """Anything read from the peer proves it is there: a client with keepalive
+    every 30 s (its PINGs within the ping policy) never gets a server PING."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await peer.handshake()
+        for sent in range(1, 11):
+            await trio.sleep(30.0)
+            await peer.send(PingFrame(0, opaque_data=b"client!!"))
+            await peer.read_until(acked(sent))
+        await trio.sleep(50.0)
+        with trio.move_on_after(1.0):
+            await peer.read_until(lambda p: False)
+        assert not peer.closed
+        assert pings_from_server(peer) == []
+        assert len(server.connections) == 1
+
+
+async def test_a_peer_whose_input_the_pacer_holds_is_not_taken_for_gone(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """While its input waits for its address's control-frame pacer, the server
+    is not reading from the peer, so it cannot hear it: such a connection is
+    kept past the keepalive's 65 s and its request is answered when its turn
+    comes."""
+    limits = ProtocolLimits(max_control_frames_per_second_per_ip=1)
+    async with (
+        open_jobsignal_server(local_settings(protocol_limits=limits)) as server,
+        raw_peer(server.port, source=OTHER_LOOPBACK) as peer,
+    ):
+        await peer.handshake()
+        started = trio.current_time()
+        await peer.send(*[WindowUpdateFrame(0, window_increment=1)] * (FREE_CONTROL_FRAMES + 200))
+        await wait_until(lambda: server.connections.input_held >= 1)
+        await peer.send(
+            peer.headers_frame(1, grpc_request_headers(server.port)),
+            DataFrame(1, register_body(), flags=["END_STREAM"]),
+        )
+        await peer.read_until(lambda p: 1 in p.ended_streams(), within=300)
+        assert dict(peer.headers[1]).get("grpc-status") == "0"
+        assert trio.current_time() - started > 80.0
+        assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 0
