@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -185,13 +186,15 @@ class ConnectionTable:
 
 
 class ObservedH2Protocol(H2Protocol):
+    # Few attribute names, grpclib's included: from 29 of them (30 before Python
+    # 3.13) CPython gives every instance a dict of its own, 1.3 KB per connection
+    # (tests/rpc/test_lean_state.py). Derive what can be derived.
     activity: ConnectionActivity
     output: ConnectionOutput
 
     def __init__(self, base: H2Protocol, table: ConnectionTable) -> None:
         super().__init__(base.handler, base.config, base.h2_config)
         self._table = table
-        self._limits = table.protocol_limits
         self._linger: asyncio.TimerHandle | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
@@ -203,9 +206,11 @@ class ObservedH2Protocol(H2Protocol):
         self._draining = False
         self._write_blocked = False
         self._reading_paused = False
-        self._refusal: str | None = None
         self._counted = False  # admitted: in the counter and the table until lost
-        self.ip = self.peer = "unknown"
+
+    @property
+    def _limits(self) -> ProtocolLimits:
+        return self._table.protocol_limits
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -221,15 +226,15 @@ class ObservedH2Protocol(H2Protocol):
             self.abort()
             return
         peer = transport.get_extra_info("peername")
-        self.ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.activity = ConnectionActivity(self._table.ping_policy, self.peer, self.ip)
+        ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        described = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.activity = ConnectionActivity(self._table.ping_policy, described, ip)
         self.output = ConnectionOutput(
             self.connection, self._table.flusher, self._table.late_flusher
         )
         now = trio.current_time()
         table = self._table
-        shared = table.address_budgets.of(self.ip, now, connected=table.counter.per_ip)
+        shared = table.address_budgets.of(ip, now, connected=table.counter.per_ip)
         self.budget = ConnectionBudget(self._limits, now, shared)
         self.liveness = PeerLiveness(table.keepalive, now)
         loop = asyncio.get_running_loop()
@@ -252,17 +257,19 @@ class ObservedH2Protocol(H2Protocol):
 
         _grpclib.on_frames_sent(self._h2, frames_sent)
         self.connection.flush()
-        self._refusal = self._table.counter.refusal(self.ip)
-        if self._refusal is not None:
+        refusal = self._table.counter.refusal(ip)
+        if refusal is not None:
             # Answer the first request with a status the client can read, then go.
-            log.warning("refusing connection from %s: %s", self.peer, self._refusal)
+            log.warning("refusing connection from %s: %s", described, refusal)
             self._table.counter.refused += 1
-            _grpclib.set_event_handler(self.processor, RequestReceived, self._refuse_request)
+            _grpclib.set_event_handler(
+                self.processor, RequestReceived, functools.partial(self._refuse_request, refusal)
+            )
             self._linger = loop.call_later(
                 REFUSED_CONNECTION_LINGER, self.goaway, ErrorCodes.NO_ERROR, b"refused"
             )
             return
-        self._table.counter.opened(self.ip)
+        self._table.counter.opened(ip)
         self._counted = True
         _grpclib.set_event_handler(self.processor, PingReceived, self._ping_received)
         _grpclib.set_event_handler(self.processor, RequestReceived, self._request_received)
@@ -287,7 +294,7 @@ class ObservedH2Protocol(H2Protocol):
         self._input.clear()
         self._table.lost(self)
         if self._counted:
-            self._table.counter.closed(self.ip)
+            self._table.counter.closed(self.activity.ip)
             self._table.discard(self)
         super().connection_lost(exc)
 
@@ -320,7 +327,7 @@ class ObservedH2Protocol(H2Protocol):
             fault_log.error(
                 INTERNAL_ERROR,
                 "unexpected error handling input from %s; closing that connection",
-                self.peer,
+                self.activity.peer,
                 exc_info=True,
             )
             self.goaway(ErrorCodes.INTERNAL_ERROR, b"internal error")
@@ -372,7 +379,7 @@ class ObservedH2Protocol(H2Protocol):
             fault_log.warning(
                 PROTOCOL_ERROR,
                 "HTTP/2 protocol error from %s: %s; closing that connection",
-                self.peer,
+                self.activity.peer,
                 quote(str(error)),
             )
             # h2 has queued the GOAWAY that names the error: send it, then close.
@@ -454,9 +461,8 @@ class ObservedH2Protocol(H2Protocol):
     def _stream_reset(self, event: StreamReset) -> None:
         _grpclib.reset_stream(self.processor, event)
 
-    def _refuse_request(self, event: RequestReceived) -> None:
-        assert self._refusal is not None
-        self._answer(event.stream_id, "200", RESOURCE_EXHAUSTED, self._refusal)
+    def _refuse_request(self, refusal: str, event: RequestReceived) -> None:
+        self._answer(event.stream_id, "200", RESOURCE_EXHAUSTED, refusal)
         self.goaway(ErrorCodes.NO_ERROR, b"too_many_connections")
 
     def _answer(self, stream_id: int, http_status: str, grpc_status: int, message: str) -> None:
@@ -490,7 +496,7 @@ class ObservedH2Protocol(H2Protocol):
         """Count a close under `rule` and log it ("closing connection from <peer>: why"),
         rate-limited per rule."""
         self._table.closed_by_server[rule] += 1
-        fault_log.warning(rule, "closing connection from %s: " + why, self.peer, *args)
+        fault_log.warning(rule, "closing connection from %s: " + why, self.activity.peer, *args)
 
     def _enhance_your_calm(self, rule: str) -> None:
         self._count_close(rule, "%s", rule)
