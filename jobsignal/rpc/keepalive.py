@@ -38,7 +38,7 @@ class Liveness(enum.Enum):
 class PeerLiveness:
     """What one connection has heard from its peer, and what the keepalive rule says."""
 
-    __slots__ = ("_heard", "_heard_at", "_heard_when_pinged", "policy")
+    __slots__ = ("_heard", "_heard_at", "_heard_when_pinged", "pings_sent", "policy")
 
     def __init__(self, policy: KeepalivePolicy, now: float) -> None:
         self.policy = policy
@@ -47,6 +47,7 @@ class PeerLiveness:
         # PING (the same virtual time) is still news.
         self._heard = 0
         self._heard_when_pinged: int | None = None
+        self.pings_sent = 0
 
     def heard(self, now: float) -> None:
         """Input was read from the peer."""
@@ -63,4 +64,5 @@ class PeerLiveness:
         if now < quiet_until:
             return Liveness.WAIT, quiet_until - now
         self._heard_when_pinged = self._heard
+        self.pings_sent += 1
         return Liveness.PING, self.policy.timeout

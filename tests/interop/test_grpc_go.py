@@ -24,9 +24,15 @@ import grpc
 import pytest
 import trio
 
+from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
 from jobsignal.rpc.session import SessionSettings
 from tests.support.factories import make_job
-from tests.support.grpc_server import local_settings, make_registry, open_jobsignal_server
+from tests.support.grpc_server import (
+    QUICK_KEEPALIVE,
+    local_settings,
+    make_registry,
+    open_jobsignal_server,
+)
 from tests.support.grpcio import GrpcioClients, GrpcioStream
 from tests.support.threads import in_thread
 from tests.support.tls import Pki
@@ -236,6 +242,33 @@ async def test_grpc_go_over_mutual_tls(go_peer: Path, tmp_path: Path) -> None:
         uuids = uuids_of(server)
     assert_signals(accepted, [job], uuids)
     assert refused.end()["code"] == code(grpc.StatusCode.UNAVAILABLE), refused.describe()
+
+
+# -- server keepalive ------------------------------------------------------------------------------
+
+
+async def test_a_quiet_grpc_go_subscriber_answers_server_keepalive_and_stays(
+    go_peer: Path,
+) -> None:
+    """grpc-go answers the server's PINGs on a quiet stream (its defaults: no
+    keepalive of its own), so the server never takes it for gone; the stream
+    still delivers after six of the server's intervals."""
+    settings = local_settings(keepalive=QUICK_KEEPALIVE)
+    async with open_jobsignal_server(settings) as server:
+        async with running(go(go_peer, "subscribe", server.target, count=1)) as peer:
+            await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+            await trio.sleep(6 * QUICK_KEEPALIVE.interval)
+            (protocol,) = server.connections.protocols()
+            pings = protocol.liveness.pings_sent
+            job = make_job(1)
+            server.broadcaster.publish([job])
+            await peer.wait_exit()
+        closed = server.connections.closed_by_server[KEEPALIVE_TIMEOUT]
+        uuids = uuids_of(server)
+    assert pings >= 3
+    assert closed == 0
+    assert_signals(peer, [job], uuids)
+    assert_no_goaway(peer)
 
 
 # -- keepalive and the idle rule (the slow test: it holds for 30 s) -------------------------------

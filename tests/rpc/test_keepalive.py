@@ -18,8 +18,11 @@ from hyperframe.frame import DataFrame, PingFrame, WindowUpdateFrame
 from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
 from jobsignal.rpc.guard import FREE_CONTROL_FRAMES, ProtocolLimits
 from jobsignal.rpc.keepalive import KeepalivePolicy, Liveness, PeerLiveness
-from tests.support.grpc_server import local_settings, open_jobsignal_server
+from tests.support.factories import make_job
+from tests.support.grpc_server import QUICK_KEEPALIVE, local_settings, open_jobsignal_server
+from tests.support.grpcio import GrpcioClients, GrpcioStream
 from tests.support.h2_client import OTHER_LOOPBACK
+from tests.support.threads import in_thread
 from tests.support.waiting import wait_until
 
 from .test_hostile_h2 import RawPeer, grpc_request_headers, raw_peer, register_body
@@ -164,3 +167,24 @@ async def test_a_peer_whose_input_the_pacer_holds_is_not_taken_for_gone(
         assert dict(peer.headers[1]).get("grpc-status") == "0"
         assert trio.current_time() - started > 80.0
         assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 0
+
+
+async def test_a_quiet_grpcio_subscriber_answers_server_keepalive_and_stays(
+    grpc_clients: GrpcioClients,
+) -> None:
+    """The official grpcio client (no keepalive of its own) answers the server's
+    PINGs on a quiet stream; real clock, at QUICK_KEEPALIVE's half second."""
+    settings = local_settings(keepalive=QUICK_KEEPALIVE)
+    async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
+        client = grpc_clients.connect(server.target)
+        client_id = await in_thread(client.register_id, "CCAgent")
+        stream = GrpcioStream(client.subscribe("CCAgent", client_id, timeout=60)).start(nursery)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+        await trio.sleep(6 * QUICK_KEEPALIVE.interval)
+        (protocol,) = server.connections.protocols()
+        assert protocol.liveness.pings_sent >= 3
+        server.broadcaster.publish([make_job(1)])
+        await stream.wait_for(1)
+        assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 0
+        client.close()
+        await stream.wait_end()

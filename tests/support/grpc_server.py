@@ -19,6 +19,7 @@ import trio
 from jobsignal.fanout import Broadcaster, Subscriber
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.connections import ConnectionTable
+from jobsignal.rpc.keepalive import KeepalivePolicy
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
 from jobsignal.status import SourceStatus
@@ -44,6 +45,11 @@ def make_registry(
         max_registrations_per_ip=max_registrations_per_ip,
         max_subscriptions_per_role_per_ip=max_subscriptions_per_role_per_ip,
     )
+
+
+# Server keepalive at a pace a few real seconds can show, for peers on the real
+# clock: a PING after half a second of silence, a second for anything to come back.
+QUICK_KEEPALIVE = KeepalivePolicy(interval=0.5, timeout=1.0)
 
 
 def local_settings(**overrides: Any) -> ServerSettings:
