@@ -296,6 +296,7 @@ class ObservedH2Protocol(H2Protocol):
         if self._counted:
             self._table.counter.closed(self.activity.ip)
             self._table.discard(self)
+            self.output.release_closed()
         super().connection_lost(exc)
 
     # -- input -----------------------------------------------------------------------------------
@@ -460,6 +461,7 @@ class ObservedH2Protocol(H2Protocol):
 
     def _stream_reset(self, event: StreamReset) -> None:
         _grpclib.reset_stream(self.processor, event)
+        self.output.release_closed()  # a message it was finishing will never go
 
     def _refuse_request(self, refusal: str, event: RequestReceived) -> None:
         self._answer(event.stream_id, "200", RESOURCE_EXHAUSTED, refusal)

@@ -53,6 +53,9 @@ class _Waiting:
     sent: int = 0
     closed: bool = False
     done: trio.Event = field(default_factory=trio.Event)
+    # Finishing a begun batch for a stream that is ending, and whether not to.
+    finishing: trio.CancelScope | None = None
+    given_up: bool = False
 
 
 class TurnFlusher:
@@ -224,19 +227,52 @@ class ConnectionOutput:
         self._late_scheduled = False
         self._flush_now()
 
-    async def send_in_turn(self, stream: Stream, data: memoryview) -> None:
-        """Send `data` on `stream`, taking turns with the connection's other waiting streams."""
+    async def send_in_turn(
+        self, stream: Stream, data: memoryview, *, deadline: float, begun: bool
+    ) -> bool:
+        """Send `data` on `stream`, taking turns with the connection's other waiting
+        streams; False if `deadline` (trio's clock) passed first.
+
+        Cancelled (the stream is ending: replaced, shut down), it gives up the
+        data only if none of its batch has gone out (`begun`: bytes before
+        `data` did) or `give_up` said so. Otherwise it finishes the batch first,
+        up to `deadline`, then raises: trailers right after part of a message
+        would turn the stream's status into grpc-go's INTERNAL "unexpected EOF".
+        """
         entry = _Waiting(stream, data)
         self._waiting.append(entry)
         self.pump()
         try:
-            await entry.done.wait()
+            with trio.move_on_at(deadline):
+                await entry.done.wait()
+        except trio.Cancelled:
+            if (begun or entry.sent) and not entry.given_up:
+                with trio.CancelScope(deadline=deadline, shield=True) as entry.finishing:
+                    await entry.done.wait()
+            raise
         finally:
             if not entry.done.is_set():
                 with contextlib.suppress(ValueError):
                     self._waiting.remove(entry)
         if entry.closed:
             raise StreamTerminatedError("the stream closed while its data waited")
+        return entry.done.is_set()
+
+    def give_up(self, stream: Stream) -> None:
+        """Let `stream`'s waiting batch go unfinished when the stream ends."""
+        for entry in self._waiting:
+            if entry.stream is stream:
+                entry.given_up = True
+                if entry.finishing is not None:
+                    entry.finishing.cancel()
+
+    def release_closed(self) -> None:
+        """Wake the waiting streams that closed (reset by the peer, or the connection
+        lost): their data will never go, and nothing else would tell them."""
+        for entry in [entry for entry in self._waiting if _grpclib.stream_closed(entry.stream)]:
+            self._waiting.remove(entry)
+            entry.closed = True
+            entry.done.set()
 
     def pump(self) -> None:
         """Serve the waiting streams round-robin while HTTP/2 lets data go.

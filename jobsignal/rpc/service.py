@@ -230,7 +230,13 @@ class JobService:
             )
             end = await self._run_session(
                 StreamRequest(
-                    kind, request.role, request.client_id, activity, writer.write, writer.write_now
+                    kind,
+                    request.role,
+                    request.client_id,
+                    activity,
+                    writer.write,
+                    writer.write_now,
+                    writer.give_up,
                 )
             )
             await stream.send_trailing_metadata(status=end.status, status_message=end.message)

@@ -58,6 +58,10 @@ Send = Callable[[list[bytes]], Awaitable[bool]]
 # calls it while the session has no task, so no task is woken per message.
 SendNow = Callable[[bytes], bool]
 
+# Stops finishing a message the client has part of, when the stream ends because the
+# client fell behind (`rpc.writer.StreamWriter.give_up`): waiting for it is pointless.
+GiveUp = Callable[[], None]
+
 # Told once how a session ended: the status to send, or the error that ended it.
 Done = Callable[["StreamEnd | Exception"], None]
 
@@ -158,6 +162,7 @@ class StreamRequest:
     send: Send
     # None: every message waits for the session's task (tests, benchmarks).
     send_now: SendNow | None = None
+    give_up: GiveUp | None = None
 
 
 class _IdleEntry:
@@ -361,7 +366,11 @@ class Session:
         self.subscriber.end(EndReason.CLIENT_GONE)
 
     def _wake(self) -> None:
-        if not self._running and not self.finished:
+        if self._running:
+            give_up = self.request.give_up
+            if give_up is not None and self.subscriber.end_reason is EndReason.SLOW:
+                give_up()  # before the task's write is cancelled
+        elif not self.finished:
             self._running = True
             self.sessions._start_task(self)
 

@@ -82,9 +82,10 @@ class StreamWriter:
             sent = await self._queue_slices(data)
         if sent == len(data):
             return True
-        with trio.move_on_after(self._send_timeout) as waited:
-            await self._output.send_in_turn(self._stream, data[sent:])
-        if waited.cancelled_caught:
+        deadline = trio.current_time() + self._send_timeout
+        if not await self._output.send_in_turn(
+            self._stream, data[sent:], deadline=deadline, begun=sent > 0
+        ):
             raise SendTimedOut
         return False
 
@@ -109,6 +110,11 @@ class StreamWriter:
             return False
         sender.write(frame, at_once=output.goes_now(alone=sender.alone))
         return True
+
+    def give_up(self) -> None:
+        """Do not finish a batch the client has part of: it fell behind, and the
+        stream ends with the trailers after what it has."""
+        self._output.give_up(self._stream)
 
     def _flush(self) -> None:
         """Write out what was queued, now or with the other streams' frames at the

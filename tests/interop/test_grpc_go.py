@@ -24,6 +24,7 @@ import grpc
 import pytest
 import trio
 
+from jobsignal.fanout import EndReason
 from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
 from jobsignal.rpc.session import SessionSettings
 from tests.support.factories import make_job
@@ -242,6 +243,41 @@ async def test_grpc_go_over_mutual_tls(go_peer: Path, tmp_path: Path) -> None:
         uuids = uuids_of(server)
     assert_signals(accepted, [job], uuids)
     assert refused.end()["code"] == code(grpc.StatusCode.UNAVAILABLE), refused.describe()
+
+
+@pytest.mark.parametrize(
+    ("ending", "status", "message"),
+    [
+        ("replaced", grpc.StatusCode.ABORTED, "replaced by a newer subscription"),
+        ("shutdown", grpc.StatusCode.UNAVAILABLE, "server shutting down"),
+    ],
+)
+async def test_a_stream_ended_mid_message_finishes_it_before_its_status(
+    go_peer: Path, ending: str, status: grpc.StatusCode, message: str
+) -> None:
+    """A stream ended while part of a 2.9 MB message waits for grpc-go's window
+    (fixed at 64 KiB, so it waits): the message is finished first, then the
+    status. Trailers right after part of a message, grpc-go reports as INTERNAL
+    "unexpected EOF" instead of the status they carry."""
+    job = make_job(2, npus=CLUSTER_NPUS)
+    windows = {"window": 64 << 10, "conn_window": 64 << 10}
+    async with open_jobsignal_server() as server:
+        argv = go(go_peer, "subscribe", server.target, role="FdAgent", count=2, **windows)
+        async with running(argv) as peer:
+            await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+            (protocol,) = server.connections.protocols()
+            (subscriber,) = server.broadcaster.subscribers
+            server.broadcaster.publish([job])
+            await wait_until(lambda: protocol.output.has_waiting, interval=0, what="part-way")
+            if ending == "replaced":
+                subscriber.end(EndReason.REPLACED)
+            else:
+                await server.stop()
+            await peer.wait_exit(20)
+        uuids = uuids_of(server)
+    assert_signals(peer, [job], uuids)
+    end = peer.end()
+    assert end["code"] == code(status) and message in end["message"], peer.describe()
 
 
 # -- server keepalive ------------------------------------------------------------------------------
