@@ -366,7 +366,8 @@ class Config:
         "100",
         _per_second,
         "RST_STREAM frames per second one client address may send over all its connections"
-        " (bursts of twice as many); beyond: GOAWAY ENHANCE_YOUR_CALM rapid_reset",
+        " (bursts of twice as many) for streams opened in the last second or two; beyond:"
+        " GOAWAY ENHANCE_YOUR_CALM rapid_reset",
         group="HTTP/2 protection",
     )
     max_control_frames_per_second: float = setting(

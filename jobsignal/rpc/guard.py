@@ -12,7 +12,10 @@ sends GOAWAY ENHANCE_YOUR_CALM.
   cancel its calls, even many at once, but not open-and-reset streams at a
   rate (the Rapid Reset attack, CVE-2023-44487). It belongs to the client's
   address, shared by all its connections (`AddressBudgets`): neither parallel
-  connections nor reconnecting multiply it.
+  connections nor reconnecting multiply it. As Envoy's "premature resets",
+  it counts only resets of streams opened in about the last second or two
+  (`YoungStreams`): a client process that exits with hundreds of long-lived
+  subscriptions cancels them all at once, and that is not the attack.
 - Every other frame but HEADERS and CONTINUATION (SETTINGS, PING,
   WINDOW_UPDATE, PRIORITY, RST_STREAM, GOAWAY, unknown types, and DATA: a
   job.Job request is one small DATA frame, so a client's requests, already
@@ -63,9 +66,13 @@ FREE_CONTROL_FRAMES_PER_SECOND = 1.0
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER_SIZE = 9
 HEADERS, RST_STREAM, CONTINUATION = 0x1, 0x3, 0x9
-# Frame types that open requests: HEADERS and CONTINUATION (bounded by h2's
-# header limits and the stream budgets). Every other type costs a token.
-_REQUEST_FRAMES = frozenset({HEADERS, CONTINUATION})
+# A reset of a stream younger than this (up to twice this) counts against the
+# address's reset budget; an older stream's is a client's ordinary cancel.
+PREMATURE_RESET_SECONDS = 1.0
+# The stream id in a frame header (the top bit is reserved). HEADERS and
+# CONTINUATION open requests (bounded by h2's header limits and the stream
+# budgets); every other frame type costs a control token.
+_STREAM_ID_BITS = 0x7FFF_FFFF
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,41 @@ class AddressBudgets:
         return budget
 
 
+class YoungStreams:
+    """Which of a connection's streams were opened recently, in constant space.
+
+    Client stream ids only grow (RFC 9113, 5.1.1), so the streams opened
+    before a moment are exactly those up to the highest id seen by then. Time
+    is cut into epochs of `PREMATURE_RESET_SECONDS`: a stream opened in this
+    epoch or the one before is young (under two epochs old); one opened
+    before that is at least an epoch old. An id never opened counts as young.
+    """
+
+    __slots__ = ("_epoch_start", "_newest", "_previous", "_settled")
+
+    def __init__(self, now: float) -> None:
+        self._epoch_start = now
+        self._newest = 0  # the highest id opened so far
+        self._previous = 0  # the highest id opened before this epoch
+        self._settled = 0  # the highest id opened before the epoch before: old streams
+
+    def opened(self, stream_id: int, now: float) -> None:
+        self._roll(now)
+        self._newest = max(self._newest, stream_id)
+
+    def young(self, stream_id: int, now: float) -> bool:
+        self._roll(now)
+        return stream_id > self._settled
+
+    def _roll(self, now: float) -> None:
+        epochs = int((now - self._epoch_start) // PREMATURE_RESET_SECONDS)
+        if epochs <= 0:
+            return
+        self._epoch_start += epochs * PREMATURE_RESET_SECONDS
+        self._settled = self._previous if epochs == 1 else self._newest
+        self._previous = self._newest
+
+
 class ConnectionBudget:
     """The budgets of one connection, charged from the frames on the wire; `address`
     is what it shares with its address's other connections (`AddressBudgets.of`),
@@ -216,6 +258,7 @@ class ConnectionBudget:
         self._preface_left = len(PREFACE)  # the client preface comes before any frame
         self._header = bytearray()  # a frame header split across reads
         self._payload_left = 0  # bytes of the current frame still to skip
+        self._young = YoungStreams(now)
 
     def frames_sent(self, count: int = 1) -> None:
         """The server sent DATA or HEADERS frames: the peer may answer them."""
@@ -248,11 +291,11 @@ class ConnectionBudget:
             if len(self._header) < FRAME_HEADER_SIZE:
                 return None
             position += wanted + int.from_bytes(self._header[:3], "big")
-            broken = self._charge_frame(self._header[3], now)
+            broken = self._charge_frame(self._header, 0, now)
             self._header.clear()
         # Whole headers, read in place: the usual case, every frame in this read.
         while position + FRAME_HEADER_SIZE <= end:
-            broken = broken or self._charge_frame(data[position + 3], now)
+            broken = broken or self._charge_frame(data, position, now)
             position += FRAME_HEADER_SIZE + int.from_bytes(data[position : position + 3], "big")
         if position > end:
             self._payload_left = position - end
@@ -260,10 +303,17 @@ class ConnectionBudget:
             self._header += data[position:]
         return broken
 
-    def _charge_frame(self, frame_type: int, now: float) -> str | None:
-        if frame_type == RST_STREAM and not self.address.resets.take(now):
-            return RAPID_RESET
-        if frame_type in _REQUEST_FRAMES:
+    def _charge_frame(self, data: bytes | bytearray, at: int, now: float) -> str | None:
+        """Charge the frame whose header starts at `data[at]`."""
+        frame_type = data[at + 3]
+        if frame_type == RST_STREAM:
+            stream_id = int.from_bytes(data[at + 5 : at + 9], "big") & _STREAM_ID_BITS
+            if self._young.young(stream_id, now) and not self.address.resets.take(now):
+                return RAPID_RESET
+        elif frame_type == HEADERS:
+            self._young.opened(int.from_bytes(data[at + 5 : at + 9], "big") & _STREAM_ID_BITS, now)
+            return None
+        elif frame_type == CONTINUATION:
             return None
         if not self.control.take(now):
             return CONTROL_FLOOD

@@ -22,11 +22,13 @@ from jobsignal.rpc.guard import (
     CONTROL_FLOOD,
     FREE_CONTROL_FRAMES,
     PREFACE,
+    PREMATURE_RESET_SECONDS,
     RAPID_RESET,
     AddressBudgets,
     AddressPacer,
     ConnectionBudget,
     ProtocolLimits,
+    YoungStreams,
 )
 
 LIMITS = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=5)
@@ -115,6 +117,41 @@ def test_connections_from_one_address_share_its_reset_budget() -> None:
     again = ConnectionBudget(limits, 0.5, budgets.of("127.0.0.2", 0.5))
     assert again.charge_input(PREFACE + resets(1, 5), 0.5) is None  # (half a second: 5 back)
     assert again.charge_input(resets(11, 1), 0.5) == RAPID_RESET
+
+
+def opens(first: int, count: int) -> bytes:
+    return wire(*[HeadersFrame(first + 2 * i, b"", flags=["END_HEADERS"]) for i in range(count)])
+
+
+def test_cancelling_many_long_lived_streams_at_once_is_not_rapid_reset() -> None:
+    """A client process exiting with 500 subscriptions open for seconds resets them
+    all at once: none was opened in the last PREMATURE_RESET_SECONDS, so none counts."""
+    limits = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=1000)
+    guard = ConnectionBudget(limits, now=0.0)
+    assert guard.charge_input(PREFACE + opens(1, 500), 0.0) is None
+    assert guard.charge_input(resets(1, 500), 2 * PREMATURE_RESET_SECONDS) is None
+    assert guard.address.resets.full(2 * PREMATURE_RESET_SECONDS)
+
+
+@pytest.mark.parametrize("age", [0.0, 0.5, 0.99])
+def test_resetting_streams_within_a_second_of_opening_them_counts(age: float) -> None:
+    limits = ProtocolLimits(max_resets_per_second=10, max_control_frames_per_second=1000)
+    guard = ConnectionBudget(limits, now=0.0)
+    assert guard.charge_input(PREFACE + opens(1, 21), 0.0) is None
+    assert guard.charge_input(resets(1, 20), age) is None
+    assert guard.charge_input(resets(41, 1), age) == RAPID_RESET
+
+
+def test_young_streams_are_those_of_this_epoch_and_the_one_before() -> None:
+    young = YoungStreams(now=0.0)
+    young.opened(1, 0.2)
+    young.opened(3, 1.5)
+    assert young.young(1, 1.9) and young.young(3, 1.9)  # 1.7 s old: still counted
+    assert not young.young(1, 2.0) and young.young(3, 2.0)
+    assert young.young(99, 2.0)  # never opened: counted
+    young.opened(5, 2.1)
+    assert not young.young(3, 5.0) and not young.young(5, 5.0)
+    assert young.young(7, 5.0)
 
 
 def test_the_address_budgets_forget_idle_ones_of_addresses_not_connected(
@@ -250,8 +287,8 @@ def test_a_connection_over_its_own_budget_is_still_cut_off() -> None:
     assert guard.charge_input(pings(1), 0.0) == CONTROL_FLOOD
 
 
-# A frame on the wire as the budget sees it: its type and its payload's length.
-FRAME_SHAPES = st.tuples(st.integers(0, 0x0A), st.integers(0, 300))
+# A frame on the wire as the budget sees it: its type, its payload's length, its stream.
+FRAME_SHAPES = st.tuples(st.integers(0, 0x0A), st.integers(0, 300), st.integers(0, 2**31 - 1))
 
 
 @given(
@@ -260,21 +297,29 @@ FRAME_SHAPES = st.tuples(st.integers(0, 0x0A), st.integers(0, 300))
     preface=st.booleans(),
 )
 def test_each_frame_is_charged_once_in_order_however_the_reads_are_cut(
-    frames: list[tuple[int, int]], cuts: list[int], preface: bool
+    frames: list[tuple[int, int, int]], cuts: list[int], preface: bool
 ) -> None:
     """Headers read in place or pieced together across reads, payloads skipped in
-    one read or many: the budget charges the same frames, in wire order."""
+    one read or many: the budget charges the same frames (type and stream), in
+    wire order."""
     wire_bytes = (PREFACE if preface else b"") + b"".join(
-        length.to_bytes(3, "big") + bytes([frame_type, 0]) + b"\x00" * 4 + b"p" * length
-        for frame_type, length in frames
+        length.to_bytes(3, "big")
+        + bytes([frame_type, 0])
+        + stream.to_bytes(4, "big")
+        + b"p" * length
+        for frame_type, length, stream in frames
     )
     guard = ConnectionBudget(LIMITS, now=0.0)
     if not preface:
         guard.charge_input(PREFACE, 0.0)
-    charged: list[int] = []
+    charged: list[tuple[int, int]] = []
+
+    def charge(data: bytes, at: int, now: float) -> None:
+        charged.append((data[at + 3], int.from_bytes(data[at + 5 : at + 9], "big")))
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(guard, "_charge_frame", lambda frame_type, now: charged.append(frame_type))
+        patch.setattr(guard, "_charge_frame", charge)
         bounds = sorted({0, len(wire_bytes), *(cut % (len(wire_bytes) + 1) for cut in cuts)})
         for start, stop in itertools.pairwise(bounds):
             guard.charge_input(wire_bytes[start:stop], 0.0)
-    assert charged == [frame_type for frame_type, _ in frames]
+    assert charged == [(frame_type, stream) for frame_type, _, stream in frames]
