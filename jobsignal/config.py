@@ -362,6 +362,13 @@ class Config:
         "seconds a new connection has to finish TLS and send the HTTP/2 preface and SETTINGS",
         group="HTTP/2 protection",
     )
+    request_timeout: float = setting(
+        "10",
+        _positive_float,
+        "seconds a client has to send a job.Job request once its stream is open; then"
+        " DEADLINE_EXCEEDED",
+        group="HTTP/2 protection",
+    )
     max_stream_resets_per_second: float = setting(
         "100",
         _per_second,
@@ -401,7 +408,11 @@ class Config:
         group="HTTP/2 protection",
     )
     max_request_bytes: int = setting(
-        "4194304", _bytes, "largest request message accepted", group="limits"
+        "4096",
+        _bytes,
+        "largest request message accepted (a ClientInfo is under 300 bytes); what a"
+        " request holds while it arrives",
+        group="limits",
     )
     max_send_bytes: int = setting(
         "4194304",

@@ -11,6 +11,7 @@ are in `rpc._grpclib`.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from typing import Any, TypeVar
 
@@ -57,9 +58,18 @@ MAX_ROLE_CHARS = 64
 MAX_CLIENT_ID_CHARS = 128
 
 
-async def read_client_info(stream: grpclib.server.Stream[Any, Any]) -> ClientInfo:
-    """The request of every job.Job RPC, with its fields' lengths bounded."""
-    info = await read_request(stream, ClientInfo)
+async def read_client_info(stream: grpclib.server.Stream[Any, Any], within: float) -> ClientInfo:
+    """The request of every job.Job RPC, with its fields' lengths bounded; it must
+    arrive `within` seconds (the loop's clock, which is trio's), or the stream
+    ends with DEADLINE_EXCEEDED: a client that opens streams and trickles their
+    requests would otherwise hold each of them as long as its connection lives."""
+    try:
+        async with asyncio.timeout(within):
+            info = await read_request(stream, ClientInfo)
+    except TimeoutError:
+        raise GRPCError(
+            Status.DEADLINE_EXCEEDED, f"the request did not arrive within {within:g}s"
+        ) from None
     for field, value, limit in (
         ("role", info.role, MAX_ROLE_CHARS),
         ("clientId", info.client_id, MAX_CLIENT_ID_CHARS),

@@ -92,7 +92,16 @@ class RunningServer:
 
 # Server keepalive is jobsignal's own, on trio's clock (rpc/keepalive.py): grpclib's
 # (every 2 h by default, its spacing measured by time.monotonic()) is turned off.
-GRPCLIB_CONFIG = Configuration(_keepalive_time=None)
+# The receive windows are HTTP/2's defaults, not grpclib's 4 MiB: requests are a few
+# hundred bytes, and what a peer sends beyond what the handlers read waits,
+# unacknowledged, in grpclib's buffers; the windows bound it (docs/architecture.md
+# section 7, "Request bodies").
+RECEIVE_WINDOW = 2**16 - 1
+GRPCLIB_CONFIG = Configuration(
+    _keepalive_time=None,
+    http2_connection_window_size=RECEIVE_WINDOW,
+    http2_stream_window_size=RECEIVE_WINDOW,
+)
 
 SOURCE_HEALTH_NAME = "jobsignal.KubernetesSync"
 

@@ -166,7 +166,7 @@ class JobService:
         }
 
     async def register(self, stream: Stream) -> None:
-        request = await read_client_info(stream)
+        request = await read_client_info(stream, self.settings.request_timeout)
         if await self._refuse_if_over_limits(stream, self.register_limiter, "Register"):
             return
         activity = self.connections.activity_of(stream)
@@ -212,7 +212,7 @@ class JobService:
         )
 
     async def subscribe(self, kind: StreamKind, stream: Stream) -> None:
-        request = await read_client_info(stream)
+        request = await read_client_info(stream, self.settings.request_timeout)
         if await self._refuse_if_over_limits(stream, self.subscribe_limiter, "Subscribe"):
             return
         self._open_streams += 1
