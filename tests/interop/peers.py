@@ -33,7 +33,10 @@ import pytest
 import trio
 
 from bench import gobuild
+from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
 from jobsignal.store.model import JobSummary, event_id
+from tests.support.factories import make_job
+from tests.support.grpc_server import QUICK_KEEPALIVE, local_settings, open_jobsignal_server
 from tests.support.grpcio import expected_signal
 from tests.support.waiting import wait_until
 
@@ -263,3 +266,27 @@ def quiet_pings(peer: Peer) -> list[float]:
     start = peer.of("registered")[-1]["t"] + 0.5
     end = min(event["t"] for event in peer.events if event["event"] in ("message", "held")) - 0.5
     return [event["t"] for event in peer.of("ping") if start < event["t"] < end]
+
+
+async def assert_quiet_subscriber_answers_server_keepalive(
+    command: Callable[[str], list[str]],
+) -> None:
+    """A peer (`command(target)`) subscribes and stays quiet for six of the server's
+    keepalive intervals (`QUICK_KEEPALIVE`): it is pinged and answers, so the
+    server never takes it for gone, and the stream still delivers."""
+    settings = local_settings(keepalive=QUICK_KEEPALIVE)
+    async with open_jobsignal_server(settings) as server:
+        async with running(command(server.target)) as peer:
+            await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=10)
+            await trio.sleep(6 * QUICK_KEEPALIVE.interval)
+            (protocol,) = server.connections.protocols()
+            pings = protocol.liveness.pings_sent
+            job = make_job(1)
+            server.broadcaster.publish([job])
+            await peer.wait_exit(10)
+        closed = server.connections.closed_by_server[KEEPALIVE_TIMEOUT]
+        uuids = uuids_of(server)
+    assert pings >= 3
+    assert closed == 0
+    assert_signals(peer, [job], uuids)
+    assert_no_goaway(peer)

@@ -25,11 +25,9 @@ import pytest
 import trio
 
 from jobsignal.fanout import EndReason
-from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
 from jobsignal.rpc.session import SessionSettings
 from tests.support.factories import make_job
 from tests.support.grpc_server import (
-    QUICK_KEEPALIVE,
     local_settings,
     make_registry,
     open_jobsignal_server,
@@ -45,6 +43,7 @@ from .peers import (
     FOUR_MIB,
     Peer,
     assert_no_goaway,
+    assert_quiet_subscriber_answers_server_keepalive,
     assert_signals,
     assert_stayed_ready,
     code,
@@ -289,22 +288,9 @@ async def test_a_quiet_grpc_go_subscriber_answers_server_keepalive_and_stays(
     """grpc-go answers the server's PINGs on a quiet stream (its defaults: no
     keepalive of its own), so the server never takes it for gone; the stream
     still delivers after six of the server's intervals."""
-    settings = local_settings(keepalive=QUICK_KEEPALIVE)
-    async with open_jobsignal_server(settings) as server:
-        async with running(go(go_peer, "subscribe", server.target, count=1)) as peer:
-            await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
-            await trio.sleep(6 * QUICK_KEEPALIVE.interval)
-            (protocol,) = server.connections.protocols()
-            pings = protocol.liveness.pings_sent
-            job = make_job(1)
-            server.broadcaster.publish([job])
-            await peer.wait_exit()
-        closed = server.connections.closed_by_server[KEEPALIVE_TIMEOUT]
-        uuids = uuids_of(server)
-    assert pings >= 3
-    assert closed == 0
-    assert_signals(peer, [job], uuids)
-    assert_no_goaway(peer)
+    await assert_quiet_subscriber_answers_server_keepalive(
+        lambda target: go(go_peer, "subscribe", target, count=1)
+    )
 
 
 # -- keepalive and the idle rule (the slow test: it holds for 30 s) -------------------------------

@@ -15,14 +15,14 @@ import grpc
 import pytest
 import trio
 
-from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
 from tests.support.factories import make_job
-from tests.support.grpc_server import QUICK_KEEPALIVE, local_settings, open_jobsignal_server
+from tests.support.grpc_server import open_jobsignal_server
 from tests.support.waiting import wait_until
 
 from .peers import (
     BIG_NPUS,
     assert_no_goaway,
+    assert_quiet_subscriber_answers_server_keepalive,
     assert_signals,
     assert_stayed_ready,
     code,
@@ -77,22 +77,9 @@ async def test_a_quiet_grpc_js_subscriber_answers_server_keepalive_and_stays(
 ) -> None:
     """grpc-js answers the server's PINGs on a quiet stream, so the server never
     takes it for gone; the stream still delivers after six of its intervals."""
-    settings = local_settings(keepalive=QUICK_KEEPALIVE)
-    async with open_jobsignal_server(settings) as server:
-        async with running(js(js_peer, "subscribe", server.target, count=1)) as peer:
-            await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=10)
-            await trio.sleep(6 * QUICK_KEEPALIVE.interval)
-            (protocol,) = server.connections.protocols()
-            pings = protocol.liveness.pings_sent
-            job = make_job(1)
-            server.broadcaster.publish([job])
-            await peer.wait_exit(10)
-        closed = server.connections.closed_by_server[KEEPALIVE_TIMEOUT]
-        uuids = uuids_of(server)
-    assert pings >= 3
-    assert closed == 0
-    assert_signals(peer, [job], uuids)
-    assert_no_goaway(peer)
+    await assert_quiet_subscriber_answers_server_keepalive(
+        lambda target: js(js_peer, "subscribe", target, count=1)
+    )
 
 
 async def test_shutdown_ends_the_stream_and_sends_goaway(js_peer: list[str]) -> None:
