@@ -48,7 +48,7 @@ import collections
 import contextlib
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpclib
 import grpclib.server
@@ -322,6 +322,27 @@ def lighten_stream(stream: ProtocolStream) -> None:
     buffer: Any = stream.buffer
     _lighten_queue(buffer._unacked)
     buffer._acked = Fifo(buffer._acked)
+
+
+class _CheckedStream(ProtocolStream):
+    """A server stream whose reads are first checked by the server codec's
+    `check_request_size`: grpclib's `recv_message` (health, reflection) reads
+    the whole length a message's prefix announces before its codec sees it, so a
+    peer announcing megabytes and sending them slowly had them all held."""
+
+    request_codec: Any
+
+    async def recv_data(self, size: int) -> bytes:
+        self.request_codec.check_request_size(size)
+        data: bytes = await super().recv_data(size)
+        return data
+
+
+def check_reads(stream: ProtocolStream, codec: Any) -> None:
+    """Make a new grpclib stream a `_CheckedStream` reading for `codec` (the same
+    object, the same layout: only the class and one attribute change)."""
+    stream.__class__ = _CheckedStream
+    cast(_CheckedStream, stream).request_codec = codec
 
 
 def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) -> None:
@@ -689,9 +710,10 @@ def accept_request(processor: EventsProcessor, event: RequestReceived) -> None:
     """
     stream = processor.connection.create_stream(stream_id=event.stream_id)
     lighten_stream(stream)
-    release = _ReleaseOnce(processor.register(stream), processor.handler, stream)
-    handler = processor.handler
-    handler.accept(stream, event.headers, release)  # type: ignore[arg-type]
+    handler: Any = processor.handler  # grpclib's server Handler
+    check_reads(stream, handler.codec)
+    release = _ReleaseOnce(processor.register(stream), handler, stream)
+    handler.accept(stream, event.headers, release)
     task: asyncio.Task[None] | None = getattr(handler, "_tasks", {}).get(stream)
     if task is not None:
         task.add_done_callback(release.task_done)

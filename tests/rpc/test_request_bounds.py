@@ -89,6 +89,30 @@ async def test_a_request_over_the_size_limit_is_refused_before_its_body(
         assert code == RESOURCE_EXHAUSTED and "limit of 4096" in message
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/grpc.health.v1.Health/Check",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    ],
+)
+async def test_requests_grpclib_reads_are_held_to_the_same_limit(
+    io_clock: trio.testing.MockClock, path: str
+) -> None:
+    """Health and reflection read their requests through grpclib, which reads the
+    length a prefix announces whole before any codec sees it: the stream's reads
+    are checked first, so the refusal comes before the body, as for job.Job."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await peer.handshake()
+        await peer.send(
+            peer.headers_frame(1, grpc_request_headers(server.port, path)),
+            DataFrame(1, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big")),
+        )
+        await peer.read_until(ended(1))
+        code, message = status_of(peer, 1)
+        assert code == RESOURCE_EXHAUSTED and "limit of 4096" in message
+
+
 async def test_what_follows_a_request_is_bounded_by_the_receive_window(
     io_clock: trio.testing.MockClock,
 ) -> None:
