@@ -205,6 +205,11 @@ class AddressBudgets:
         return budget
 
 
+def _stream_id(data: bytes | bytearray, at: int) -> int:
+    """The stream id of the frame whose header starts at `data[at]`."""
+    return int.from_bytes(data[at + 5 : at + 9], "big") & _STREAM_ID_BITS
+
+
 class YoungStreams:
     """Which of a connection's streams were opened recently, in constant space.
 
@@ -307,11 +312,11 @@ class ConnectionBudget:
         """Charge the frame whose header starts at `data[at]`."""
         frame_type = data[at + 3]
         if frame_type == RST_STREAM:
-            stream_id = int.from_bytes(data[at + 5 : at + 9], "big") & _STREAM_ID_BITS
-            if self._young.young(stream_id, now) and not self.address.resets.take(now):
+            young = self._young.young(_stream_id(data, at), now)
+            if young and not self.address.resets.take(now):
                 return RAPID_RESET
         elif frame_type == HEADERS:
-            self._young.opened(int.from_bytes(data[at + 5 : at + 9], "big") & _STREAM_ID_BITS, now)
+            self._young.opened(_stream_id(data, at), now)
             return None
         elif frame_type == CONTINUATION:
             return None

@@ -4,9 +4,11 @@ grpclib's `recv_message` buffers whatever length a request's prefix
 announces before anything can check it, and lets framing errors escape as
 NotImplementedError / AssertionError (seen by the client as UNKNOWN). This
 reader looks at the 5-byte gRPC message prefix first: a compressed flag, a
-length above the limit, a missing or truncated message each get a precise
-status before a byte of the body is buffered. The stream internals it needs
-are in `rpc._grpclib`.
+missing or truncated message each get a precise status. A length above the
+limit is refused by the stream's own reads, which every server stream checks
+against the codec's limit before a byte is buffered (`_grpclib.check_reads`,
+for grpclib's readers too). The stream internals it needs are in
+`rpc._grpclib`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ _PREFIX = struct.Struct(">?I")
 
 
 async def read_request(stream: grpclib.server.Stream[Any, Any], message_type: type[T]) -> T:
-    """The request message; the size limit is the server codec's (`PassthroughCodec`)."""
+    """The request message; the size limit is the server codec's (`PassthroughCodec`),
+    checked by the stream's read of the body before anything is buffered."""
     codec = _grpclib.request_codec(stream)
     assert isinstance(codec, PassthroughCodec)
     prefix = await _grpclib.receive(stream, _PREFIX.size)
@@ -40,7 +43,6 @@ async def read_request(stream: grpclib.server.Stream[Any, Any], message_type: ty
     compressed, length = _PREFIX.unpack(prefix)
     if compressed:
         raise GRPCError(Status.UNIMPLEMENTED, "compressed requests are not supported")
-    codec.check_request_size(length)
     body = await _grpclib.receive(stream, length)
     if body is None or len(body) < length:
         raise _truncated()

@@ -42,11 +42,11 @@ def ended(stream_id: int) -> Callable[[RawPeer], bool]:
     )
 
 
-async def subscribe_with(peer: RawPeer, body: bytes) -> None:
-    """Open a SubscribeJobSummarySignal on stream 1 whose request body is `body`."""
+async def call_with(peer: RawPeer, body: bytes, path: str = SUBSCRIBE) -> None:
+    """Handshake, then open a call of `path` on stream 1 whose request body is `body`."""
     await peer.handshake()
     await peer.send(
-        peer.headers_frame(1, grpc_request_headers(peer.port, SUBSCRIBE)), DataFrame(1, body)
+        peer.headers_frame(1, grpc_request_headers(peer.port, path)), DataFrame(1, body)
     )
 
 
@@ -65,7 +65,7 @@ async def test_a_request_that_does_not_arrive_in_time_ends_its_stream(
     io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
-        await subscribe_with(peer, b"\x00" + (100).to_bytes(4, "big") + b"x" * 50)  # half
+        await call_with(peer, b"\x00" + (100).to_bytes(4, "big") + b"x" * 50)  # half
         opened = trio.current_time()
         with trio.move_on_after(REQUEST_TIMEOUT - 1):
             await peer.read_until(ended(1), within=REQUEST_TIMEOUT)
@@ -83,7 +83,7 @@ async def test_a_request_over_the_size_limit_is_refused_before_its_body(
     io_clock: trio.testing.MockClock,
 ) -> None:
     async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
-        await subscribe_with(peer, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big"))
+        await call_with(peer, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big"))
         await peer.read_until(ended(1))
         code, message = status_of(peer, 1)
         assert code == RESOURCE_EXHAUSTED and "limit of 4096" in message
@@ -103,11 +103,7 @@ async def test_requests_grpclib_reads_are_held_to_the_same_limit(
     length a prefix announces whole before any codec sees it: the stream's reads
     are checked first, so the refusal comes before the body, as for job.Job."""
     async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
-        await peer.handshake()
-        await peer.send(
-            peer.headers_frame(1, grpc_request_headers(server.port, path)),
-            DataFrame(1, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big")),
-        )
+        await call_with(peer, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big"), path)
         await peer.read_until(ended(1))
         code, message = status_of(peer, 1)
         assert code == RESOURCE_EXHAUSTED and "limit of 4096" in message
