@@ -29,7 +29,7 @@ from jobsignal.config import (
     load_config,
 )
 from jobsignal.logs import configure_logging
-from jobsignal.terminal import StdoutClosed, emit
+from jobsignal.terminal import StdoutClosed, emit, lone_exception
 
 EXIT_USAGE = 2
 # What a shell reports for a command that SIGPIPE ended.
@@ -179,7 +179,14 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "serve":
         config = load_config(vars(args), os.environ)
         configure_logging(config.log_level, config.log_format)
-        trio.run(lambda: run_jobsignal(config, handle_signals=True))
+        try:
+            trio.run(lambda: run_jobsignal(config, handle_signals=True))
+        except BaseExceptionGroup as group:
+            # A start-up error (a port in use) comes wrapped by trio-asyncio's nurseries.
+            lone = lone_exception(group)
+            if isinstance(lone, ConfigError):
+                raise lone from None
+            raise
     elif args.command == "completion":
         emit(completion_script(args.shell).rstrip("\n"))
     else:

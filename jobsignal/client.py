@@ -36,6 +36,7 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from jobsignal._proto.grpc.health.v1 import HealthCheckRequest, HealthStub
 from jobsignal._proto.job import ClientInfo, JobStub, JobSummarySignal, JobSummarySignalList
 from jobsignal.backoff import Backoff
+from jobsignal.terminal import lone_exception
 
 log = logging.getLogger(__name__)
 
@@ -246,19 +247,10 @@ async def open_subscription(options: SubscribeOptions) -> AsyncIterator[AsyncIte
     except BaseExceptionGroup as group:
         # trio-asyncio's loop nurseries wrap whatever ends the block (SubscribeFailed,
         # or the caller's own exception) in groups of one: hand back the exception.
-        lone = _lone_exception(group)
+        lone = lone_exception(group)
         if lone is None:
             raise
         raise lone from None
-
-
-def _lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    while len(group.exceptions) == 1:
-        (inner,) = group.exceptions
-        if not isinstance(inner, BaseExceptionGroup):
-            return inner
-        group = inner
-    return None
 
 
 class CallFailed(Exception):
@@ -330,7 +322,7 @@ async def _call_once(
             finally:
                 channel.close()
     except BaseExceptionGroup as group:
-        lone = _lone_exception(group)  # as in open_subscription
+        lone = lone_exception(group)  # as in open_subscription
         if lone is None:
             raise
         raise lone from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar, cast
@@ -23,6 +24,16 @@ from typing import Any, Self, TypeVar, cast
 
 class ConfigError(Exception):
     """A setting has a bad value; the message is one line for the user."""
+
+
+def cannot_listen(setting: str, host: str, port: int, error: OSError) -> ConfigError:
+    """A listen address this host cannot listen on (in use, not its own, unknown)."""
+    # asyncio rewrites a bind error's text, errno still names it; a name that does
+    # not resolve has a negative errno (getaddrinfo's) and a text of its own.
+    known = error.errno is not None and error.errno > 0
+    reason = os.strerror(error.errno) if known and error.errno else (error.strerror or str(error))
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return ConfigError(f"{setting} {shown}: cannot listen there: {reason}")
 
 
 def _positive_float(text: str, unit: str = "of seconds") -> float:
@@ -365,8 +376,8 @@ class Config:
     request_timeout: float = setting(
         "10",
         _positive_float,
-        "seconds a client has to send a job.Job request once its stream is open; then"
-        " DEADLINE_EXCEEDED",
+        "seconds a client has to send a job.Job or health request once its stream is open;"
+        " then DEADLINE_EXCEEDED",
         group="HTTP/2 protection",
     )
     max_stream_resets_per_second: float = setting(

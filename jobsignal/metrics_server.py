@@ -37,6 +37,7 @@ import trio
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from jobsignal.config import cannot_listen
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc.limits import ConnectionCounter
 from jobsignal.text import quote
@@ -326,7 +327,10 @@ async def run_metrics_server(
     `/readyz` answers 503 with the reason while `readiness()` gives one.
     """
     stats = HttpStats() if stats is None else stats
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as error:
+        raise cannot_listen("--metrics-listen", host, port, error) from None
     bound = listeners[0].socket.getsockname()[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     task_status.started(bound)

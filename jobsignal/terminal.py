@@ -33,6 +33,16 @@ def tell(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception inside `group` and the groups of one around it, if that is all."""
+    while len(group.exceptions) == 1:
+        (inner,) = group.exceptions
+        if not isinstance(inner, BaseExceptionGroup):
+            return inner
+        group = inner
+    return None
+
+
 def run(function: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """trio.run, handing back a lone StdoutClosed that nurseries wrapped in groups."""
     try:

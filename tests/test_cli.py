@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +77,34 @@ def test_source_kubernetes_without_a_cluster_exits_2(
         monkeypatch.delenv(name, raising=False)
     assert main(["serve", "--source", "kubernetes", "--listen", "127.0.0.1:0"]) == 2
     assert "no Kubernetes configuration found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--listen", "127.0.0.1:{taken}"],
+        ["--listen", "127.0.0.1:0,127.0.0.1:{taken}"],  # the first address is let go
+        ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:{taken}"],
+    ],
+    ids=["grpc", "second-grpc-address", "metrics"],
+)
+def test_an_address_in_use_is_a_one_line_error(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the 90-line exception group that trio-asyncio's nurseries wrapped it in."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--source", "demo", *(f.format(taken=port) for f in flags)]
+        assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    setting = "--metrics-listen" if "--metrics-listen" in flags else "--listen"
+    expected = f"jobsignal: error: {setting} 127.0.0.1:{port}: cannot listen there:"
+    assert [line for line in err if line.startswith("jobsignal: error")] == [
+        f"{expected} Address already in use"
+    ]
+    assert not any("Traceback" in line for line in err)
 
 
 def test_help_groups_keep_their_order_and_each_flag_its_group(

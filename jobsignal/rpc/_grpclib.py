@@ -54,7 +54,7 @@ import grpclib
 import grpclib.server
 import grpclib.utils
 import trio_asyncio  # noqa: F401  (imported for its patch of asyncio.current_task)
-from grpclib.metadata import encode_grpc_message
+from grpclib.metadata import decode_timeout, encode_grpc_message
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.protocol import Stream as ProtocolStream
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
@@ -70,6 +70,8 @@ from h2.exceptions import StreamClosedError
 from h2.settings import ChangedSetting, SettingCodes, Settings
 from h2.stream import H2Stream, StreamInputs, StreamState
 
+from jobsignal.config import cannot_listen
+from jobsignal.rpc.codec import PassthroughCodec, truncated_request
 from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
 PINNED_GRPCLIB = "0.4.9"
@@ -107,13 +109,13 @@ async def start_server(
     grpclib knows the first listener only; the caller closes the others.
     """
     loop = asyncio.get_running_loop()
-    listeners = []
+    listeners: list[asyncio.Server] = []
     for host, port in addresses:
         family = (
             socket.AF_UNSPEC if not host else (socket.AF_INET6 if ":" in host else socket.AF_INET)
         )
-        listeners.append(
-            await loop.create_server(
+        try:
+            listener = await loop.create_server(
                 server._protocol_factory,
                 host or None,
                 port,
@@ -123,7 +125,11 @@ async def start_server(
                 ssl_handshake_timeout=ssl_handshake_timeout if ssl is not None else None,
                 reuse_address=True,
             )
-        )
+        except OSError as error:
+            for opened in listeners:
+                opened.close()
+            raise cannot_listen("--listen", host, port, error) from None
+        listeners.append(listener)
     server._server = listeners[0]
     server._server_closed_fut = loop.create_future()
     return listeners
@@ -325,22 +331,43 @@ def lighten_stream(stream: ProtocolStream) -> None:
 
 
 class _CheckedStream(ProtocolStream):
-    """A server stream whose reads are first checked by the server codec's
-    `check_request_size`: grpclib's `recv_message` (health, reflection) reads
-    the whole length a message's prefix announces before its codec sees it, so a
-    peer announcing megabytes and sending them slowly had them all held."""
+    """A server stream whose request is read as gRPC messages checked at the boundary.
 
-    request_codec: Any
+    Every reader of a request (`requests.read_request`, and grpclib's
+    `recv_message` under health and reflection) reads a message's 5-byte
+    prefix, then the body it announces. grpclib's reader buffered the whole
+    announced length before its codec saw it (a peer announcing megabytes
+    and sending them slowly had them all held), and let a compressed flag or
+    a stream ending part-way escape as NotImplementedError or AssertionError
+    (UNKNOWN to the client, an ERROR in the log). Here the codec checks each
+    prefix before its body is read (`PassthroughCodec.check_prefix`), and a
+    stream ending mid-message is INVALID_ARGUMENT.
+    """
+
+    request_codec: PassthroughCodec
+    body_next = False  # the prefix of a message was read, its body is next
 
     async def recv_data(self, size: int) -> bytes:
-        self.request_codec.check_request_size(size)
-        data: bytes = await super().recv_data(size)
+        if self.body_next:
+            self.body_next = False
+            return await self._read(size)
+        prefix = await self._read(size)
+        if prefix:  # (empty: the stream ended between messages)
+            self.request_codec.check_prefix(prefix)
+            self.body_next = True
+        return prefix
+
+    async def _read(self, size: int) -> bytes:
+        try:
+            data: bytes = await super().recv_data(size)
+        except AssertionError:  # grpclib's buffer: the stream ended part-way
+            raise truncated_request() from None
         return data
 
 
-def check_reads(stream: ProtocolStream, codec: Any) -> None:
+def check_reads(stream: ProtocolStream, codec: PassthroughCodec) -> None:
     """Make a new grpclib stream a `_CheckedStream` reading for `codec` (the same
-    object, the same layout: only the class and one attribute change)."""
+    object, the same layout: only the class changes, and an attribute is added)."""
     stream.__class__ = _CheckedStream
     cast(_CheckedStream, stream).request_codec = codec
 
@@ -372,21 +399,6 @@ class _Noted:
 
 
 # -- reading requests and writing responses on a server stream ----------------------------------
-
-
-def request_codec(stream: ServerStream) -> Any:
-    """The server's codec, as grpclib handed it to this stream."""
-    return stream._codec
-
-
-async def receive(stream: ServerStream, size: int) -> bytes | None:
-    """Up to `size` bytes of the request body: fewer when the stream ended before any of
-    them, None when it ended part-way (grpclib's buffer asserts in that case)."""
-    try:
-        data: bytes = await stream._stream.recv_data(size)
-    except AssertionError:
-        return None
-    return data
 
 
 def headers_sent(stream: ServerStream) -> bool:
@@ -698,6 +710,17 @@ def process_event(processor: EventsProcessor, event: Event) -> None:
     handler = processors.get(type(event))
     if handler is not None:
         handler(event)
+
+
+def request_timeout(headers: Sequence[Any]) -> float | None:
+    """The shortest grpc-timeout of a request's headers (str pairs: grpclib has h2
+    decode them), in seconds, as grpclib reads it; None without one, or with one
+    grpclib cannot read (it answers that itself)."""
+    timeouts = [value for name, value in headers if name == "grpc-timeout"]
+    try:
+        return min(map(decode_timeout, timeouts), default=None)
+    except ValueError:
+        return None
 
 
 def accept_request(processor: EventsProcessor, event: RequestReceived) -> None:

@@ -9,12 +9,20 @@ INVALID_ARGUMENT here, at the boundary, instead of a generic UNKNOWN.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import betterproto2
 from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError
+
+# The 5-byte prefix of every gRPC message: a compressed flag and the length.
+MESSAGE_PREFIX = struct.Struct(">?I")
+
+
+def truncated_request() -> GRPCError:
+    return GRPCError(Status.INVALID_ARGUMENT, "request truncated: the stream ended mid-message")
 
 
 class PassthroughCodec(CodecBase):
@@ -36,6 +44,14 @@ class PassthroughCodec(CodecBase):
                 Status.RESOURCE_EXHAUSTED,
                 f"request of {size} bytes exceeds the limit of {self.max_request_bytes}",
             )
+
+    def check_prefix(self, prefix: bytes) -> None:
+        """UNIMPLEMENTED for a compressed request (none is negotiated), RESOURCE_EXHAUSTED
+        for a length above the limit: checked before the body is read."""
+        compressed, length = MESSAGE_PREFIX.unpack(prefix)
+        if compressed:
+            raise GRPCError(Status.UNIMPLEMENTED, "compressed requests are not supported")
+        self.check_request_size(length)
 
     def decode(self, data: bytes, message_type: Any) -> Any:
         self.check_request_size(len(data))

@@ -48,7 +48,7 @@ from h2.events import (
     StreamReset,
     WindowUpdated,
 )
-from h2.exceptions import ProtocolError, StreamClosedError
+from h2.exceptions import ProtocolError, StreamClosedError, StreamIDTooLowError
 
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
@@ -70,8 +70,13 @@ KEEPALIVE_TIMEOUT = "keepalive_timeout"
 KEEPALIVE_PING = b"jobsignl"
 PROTOCOL_ERROR = "protocol_error"
 INTERNAL_ERROR = "internal_error"
+DEADLINE_EXCEEDED = 4
 RESOURCE_EXHAUSTED = 8
 INTERNAL = 13
+# A call with less time than this (its grpc-timeout) is answered DEADLINE_EXCEEDED
+# before grpclib sees it: grpclib starts the deadline when the call's task runs
+# and, finding none of it left, answered UNKNOWN and logged a traceback at ERROR.
+SHORTEST_DEADLINE = 0.001
 # Seconds a refused connection may take to send the request it is refused on.
 REFUSED_CONNECTION_LINGER = 5.0
 # Events after which a stream waiting for window may go on (a tuple: isinstance
@@ -183,6 +188,14 @@ class ConnectionTable:
         """Drop every connection still open, with whatever it has not read."""
         for protocol in list(self._open):
             protocol.abort()
+
+
+def _describe(error: ProtocolError) -> str:
+    """What a peer did wrong, for the log (h2's text of a frame on a stream closed
+    by END_STREAM is the stream id alone)."""
+    if isinstance(error, StreamClosedError):
+        return f"a frame on stream {error.stream_id}, which it had ended"
+    return quote(str(error))
 
 
 class ObservedH2Protocol(H2Protocol):
@@ -381,7 +394,7 @@ class ObservedH2Protocol(H2Protocol):
                 PROTOCOL_ERROR,
                 "HTTP/2 protocol error from %s: %s; closing that connection",
                 self.activity.peer,
-                quote(str(error)),
+                _describe(error),
             )
             # h2 has queued the GOAWAY that names the error: send it, then close.
             self.connection.flush()
@@ -457,6 +470,10 @@ class ObservedH2Protocol(H2Protocol):
         if ":path" not in names:
             self._answer(event.stream_id, "400", INTERNAL, "malformed request: no :path")
             return
+        timeout = _grpclib.request_timeout(event.headers or [])
+        if timeout is not None and timeout < SHORTEST_DEADLINE:
+            self._answer(event.stream_id, "200", DEADLINE_EXCEEDED, "deadline exceeded at arrival")
+            return
         _grpclib.accept_request(self.processor, event)
 
     def _stream_reset(self, event: StreamReset) -> None:
@@ -469,7 +486,10 @@ class ObservedH2Protocol(H2Protocol):
 
     def _answer(self, stream_id: int, http_status: str, grpc_status: int, message: str) -> None:
         """End a stream with a gRPC status, without passing it to grpclib."""
-        with contextlib.suppress(StreamClosedError):  # the peer reset it already
+        # The peer may have reset it already, in the same read: h2 then says it
+        # is closed, or, once a later stream made h2 forget it, that its id is
+        # too low for a new one. Either way there is no one left to answer.
+        with contextlib.suppress(StreamClosedError, StreamIDTooLowError):
             self._send_status(stream_id, http_status, grpc_status, message)
 
     def _send_status(

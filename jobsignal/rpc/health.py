@@ -23,6 +23,7 @@ from grpclib.server import Stream
 
 from jobsignal._proto.grpc.health.v1 import HealthCheckRequest, HealthCheckResponse
 from jobsignal._proto.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
+from jobsignal.rpc.requests import read_request
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
@@ -46,10 +47,18 @@ async def _sleep_forever() -> None:
 
 
 class Health:
-    """The health entries, by name ("" is the server as a whole), and their checks."""
+    """The health entries, by name ("" is the server as a whole), and their checks.
 
-    def __init__(self, entries: Mapping[str, Collection[CheckBase]]) -> None:
+    A request is read as job.Job's are (`requests.read_request`): it must
+    come within `request_timeout` seconds, and a call without one ends with
+    INVALID_ARGUMENT.
+    """
+
+    def __init__(
+        self, entries: Mapping[str, Collection[CheckBase]], *, request_timeout: float
+    ) -> None:
         self._entries = {name: list(checks) for name, checks in entries.items()}
+        self._request_timeout = request_timeout
 
     def __mapping__(self) -> dict[str, Handler]:
         prefix = f"/{HEALTH_SERVICE}/"
@@ -63,8 +72,7 @@ class Health:
         }
 
     async def check(self, stream: Stream[HealthCheckRequest, HealthCheckResponse]) -> None:
-        request = await stream.recv_message()
-        assert request is not None  # grpclib ends a unary call without a message itself
+        request = await read_request(stream, HealthCheckRequest, self._request_timeout)
         checks = self._entries.get(request.service)
         if checks is None:
             await stream.send_trailing_metadata(status=Status.NOT_FOUND)
@@ -75,8 +83,7 @@ class Health:
         await stream.send_message(HealthCheckResponse(status=status))
 
     async def watch(self, stream: Stream[HealthCheckRequest, HealthCheckResponse]) -> None:
-        request = await stream.recv_message()
-        assert request is not None
+        request = await read_request(stream, HealthCheckRequest, self._request_timeout)
         checks = self._entries.get(request.service)
         if not checks:
             unknown = checks is None

@@ -160,7 +160,8 @@ async def run_grpc_server(
             "": [ready_health],  # the server as a whole
             service_name(service): [ready_health],
             SOURCE_HEALTH_NAME: [source_health],
-        }
+        },
+        request_timeout=settings.session.request_timeout,
     )
     services: list[Any] = [service, health]
     services.append(LazyReflection(services))

@@ -76,7 +76,7 @@ class SessionSettings(LayerSettings):
 
     idle_timeout: float = from_setting(lambda c: c.idle_timeout)
     send_timeout: float = from_setting(lambda c: c.send_timeout)
-    # Seconds to read the request of a job.Job call (`rpc.requests.read_client_info`).
+    # Seconds to read the request of a job.Job or health call (`rpc.requests.read_request`).
     request_timeout: float = from_setting(lambda c: c.request_timeout)
     snapshot_roles: frozenset[str] = from_setting(lambda c: frozenset(c.snapshot_roles))
 

@@ -53,7 +53,7 @@ class FakeStream:
 
 
 def ours(checks: dict[str, list[ServiceStatus]]) -> tuple[Any, Callable[[str], Any]]:
-    return Health(checks), lambda name: HealthCheckRequest(service=name)
+    return Health(checks, request_timeout=10.0), lambda name: HealthCheckRequest(service=name)
 
 
 def grpclib_s(checks: dict[str, list[ServiceStatus]]) -> tuple[Any, Callable[[str], Any]]:
