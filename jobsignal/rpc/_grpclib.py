@@ -431,7 +431,9 @@ def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = Fa
     size = min(
         len(data), h2_connection.outbound_flow_control_window, state.outbound_flow_control_window
     )
-    if whole and size < len(data):
+    # A window may be below zero: a peer that lowers SETTINGS_INITIAL_WINDOW_SIZE
+    # takes the difference from every stream's window (RFC 9113, 6.9.2).
+    if size <= 0 or (whole and size < len(data)):
         return 0
     frame_size = h2_connection.max_outbound_frame_size
     try:

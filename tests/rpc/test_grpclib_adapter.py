@@ -562,6 +562,26 @@ def test_send_now_whole_sends_nothing_when_the_window_is_short() -> None:
     assert _grpclib.send_now(stream, b"x" * (window + 1)) == window  # not whole: what fits
 
 
+@pytest.mark.parametrize("lowered_by", [0, 1, 65_535], ids=["shut", "negative", "far-below"])
+def test_send_now_sends_nothing_through_a_shut_or_negative_window(lowered_by: int) -> None:
+    """A peer that lowers SETTINGS_INITIAL_WINDOW_SIZE takes the difference from
+    every stream's window, which may go below zero (RFC 9113, 6.9.2). send_now
+    returned that negative size, and the output's round-robin then spun for ever
+    at full CPU, its budget growing (found by fuzzing the server)."""
+    server, client = h2_pair()
+    responding(server, client)
+    window = server.local_flow_control_window(1)
+    assert _grpclib.send_now(server_stream_on(server, 1), b"x" * window) == window  # all of it
+    client.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 65_535 - lowered_by})
+    server.receive_data(client.data_to_send())
+    server.data_to_send()
+    assert server.streams[1].outbound_flow_control_window == -lowered_by
+    before = h2_state(server, 1)
+    for whole in (False, True):
+        assert _grpclib.send_now(server_stream_on(server, 1), b"y" * 10, whole=whole) == 0
+    assert h2_state(server, 1) == before and server.data_to_send() == b""
+
+
 def test_send_now_on_a_closed_stream_sends_nothing() -> None:
     server, client = h2_pair()
     responding(server, client)

@@ -11,15 +11,18 @@ peers on 127.0.0.1 hold the window shut; time is virtual (`io_clock`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import signal
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 import trio
 import trio.testing
-from hyperframe.frame import HeadersFrame, RstStreamFrame, WindowUpdateFrame
+from h2.settings import SettingCodes
+from hyperframe.frame import HeadersFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from jobsignal.fanout import EndReason, Subscriber
+from jobsignal.rpc.connections import INTERNAL_ERROR
 from jobsignal.rpc.session import SessionSettings
 from tests.support.factories import make_job
 from tests.support.grpc_server import ServerHarness, open_jobsignal_server
@@ -134,3 +137,44 @@ async def test_a_client_too_far_behind_is_not_waited_for(
         assert trio.current_time() - ended_at < 1.0
         assert dict(peer.headers[SIGNAL_STREAM])["grpc-status"] == RESOURCE_EXHAUSTED
         await wait_until(lambda: subscription_released(server))
+
+
+@contextmanager
+def interrupted_after(seconds: float) -> Iterator[None]:
+    """Raise TimeoutError in whatever code runs once `seconds` of real time have
+    passed: code that never yields to the loop (or to trio's clock) is stopped."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still running after {seconds:g}s of real time")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+async def test_a_window_the_peer_lowers_below_zero_holds_the_rest_of_the_message(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """A lower SETTINGS_INITIAL_WINDOW_SIZE takes the difference from every stream's
+    window, below zero here (RFC 9113, 6.9.2). The server spun for ever on such a
+    window, at full CPU, its memory growing, and every client with it (found by
+    fuzzing). Now the rest waits, the server goes on serving others, and the
+    message arrives whole once the peer opens the window again."""
+    async with open_jobsignal_server() as server, part_way(server) as (peer, _):
+        with interrupted_after(30.0):  # a regression spins inside one loop turn
+            await peer.send(SettingsFrame(0, settings={SettingCodes.INITIAL_WINDOW_SIZE: 0}))
+            await peer.send(WindowUpdateFrame(0, window_increment=1 << 20))  # the output pumps
+            async with raw_peer(server.port) as other:
+                await other.handshake()
+                await other.assert_serves_a_request(1)
+        assert server.connections.closed_by_server[INTERNAL_ERROR] == 0
+        assert received(peer) == WINDOW  # nothing more through a window below zero
+        await peer.send(SettingsFrame(0, settings={SettingCodes.INITIAL_WINDOW_SIZE: 1 << 20}))
+        first = int.from_bytes(b"".join(peer.data_frames(SIGNAL_STREAM))[1:5], "big")
+        await peer.read_until(lambda p: received(p) == 5 + first)
+        assert len(whole_messages(peer)) == 1
+        assert not trailers_came(peer)  # the subscription goes on
