@@ -31,7 +31,7 @@ def cannot_listen(setting: str, host: str, port: int, error: OSError) -> ConfigE
     # asyncio rewrites a bind error's text, errno still names it; a name that does
     # not resolve has a negative errno (getaddrinfo's) and a text of its own.
     known = error.errno is not None and error.errno > 0
-    reason = os.strerror(error.errno) if known and error.errno else (error.strerror or str(error))
+    reason = os.strerror(error.errno or 0) if known else (error.strerror or str(error))
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return ConfigError(f"{setting} {shown}: cannot listen there: {reason}")
 

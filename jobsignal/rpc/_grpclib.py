@@ -333,9 +333,9 @@ def lighten_stream(stream: ProtocolStream) -> None:
 class _CheckedStream(ProtocolStream):
     """A server stream whose request is read as gRPC messages checked at the boundary.
 
-    Every reader of a request (`requests.read_request`, and grpclib's
-    `recv_message` under health and reflection) reads a message's 5-byte
-    prefix, then the body it announces. grpclib's reader buffered the whole
+    Every request is read by grpclib's `recv_message` (through
+    `requests.read_request` for job.Job and health, directly by reflection):
+    a message's 5-byte prefix, then the body it announces. It buffered the whole
     announced length before its codec saw it (a peer announcing megabytes
     and sending them slowly had them all held), and let a compressed flag or
     a stream ending part-way escape as NotImplementedError or AssertionError
@@ -714,7 +714,7 @@ def process_event(processor: EventsProcessor, event: Event) -> None:
         handler(event)
 
 
-def request_timeout(headers: Sequence[Any]) -> float | None:
+def grpc_timeout(headers: Sequence[Any]) -> float | None:
     """The shortest grpc-timeout of a request's headers (str pairs: grpclib has h2
     decode them), in seconds, as grpclib reads it; None without one, or with one
     grpclib cannot read (it answers that itself)."""

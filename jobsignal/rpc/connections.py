@@ -470,7 +470,7 @@ class ObservedH2Protocol(H2Protocol):
         if ":path" not in names:
             self._answer(event.stream_id, "400", INTERNAL, "malformed request: no :path")
             return
-        timeout = _grpclib.request_timeout(event.headers or [])
+        timeout = _grpclib.grpc_timeout(event.headers or [])
         if timeout is not None and timeout < SHORTEST_DEADLINE:
             self._answer(event.stream_id, "200", DEADLINE_EXCEEDED, "deadline exceeded at arrival")
             return

@@ -23,10 +23,11 @@ T = TypeVar("T")
 async def read_request(
     stream: grpclib.server.Stream[Any, Any], message_type: type[T], within: float
 ) -> T:
-    """The call's request, a `message_type`; it must arrive `within` seconds (the
-    loop's clock, which is trio's), or the stream ends with DEADLINE_EXCEEDED: a
-    client that opens streams and trickles their requests would otherwise hold
-    each of them as long as its connection lives."""
+    """The call's request, a `message_type` (the handler's request type, which grpclib
+    decodes). It must arrive `within` seconds (the loop's clock, which is trio's),
+    or the stream ends with DEADLINE_EXCEEDED: a client that opens streams and
+    trickles their requests would otherwise hold each of them as long as its
+    connection lives."""
     try:
         async with asyncio.timeout(within):
             message = await stream.recv_message()
