@@ -350,7 +350,10 @@ class _CheckedStream(ProtocolStream):
     async def recv_data(self, size: int) -> bytes:
         if self.body_next:
             self.body_next = False
-            return await self._read(size)
+            body = await self._read(size)
+            if len(body) < size:  # the stream ended before the body
+                raise truncated_request()
+            return body
         prefix = await self._read(size)
         if prefix:  # (empty: the stream ended between messages)
             self.request_codec.check_prefix(prefix)
@@ -358,9 +361,11 @@ class _CheckedStream(ProtocolStream):
         return prefix
 
     async def _read(self, size: int) -> bytes:
+        """grpclib's read: `size` bytes, none when the stream ended before them, and
+        AssertionError when it ended part-way."""
         try:
             data: bytes = await super().recv_data(size)
-        except AssertionError:  # grpclib's buffer: the stream ended part-way
+        except AssertionError:
             raise truncated_request() from None
         return data
 

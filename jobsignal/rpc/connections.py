@@ -48,7 +48,7 @@ from h2.events import (
     StreamReset,
     WindowUpdated,
 )
-from h2.exceptions import ProtocolError, StreamClosedError, StreamIDTooLowError
+from h2.exceptions import ProtocolError, StreamClosedError
 
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
@@ -463,7 +463,7 @@ class ObservedH2Protocol(H2Protocol):
             # Over the limit advertised in SETTINGS: refuse this stream alone
             # (clients retry a refused stream transparently).
             self._table.streams_refused += 1
-            with contextlib.suppress(StreamClosedError):  # the peer reset it already
+            with contextlib.suppress(ProtocolError):  # reset or gone already (`_answer`)
                 self._h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
             return
         names = {n.decode() if isinstance(n, bytes) else n for n, _ in event.headers or []}
@@ -486,10 +486,11 @@ class ObservedH2Protocol(H2Protocol):
 
     def _answer(self, stream_id: int, http_status: str, grpc_status: int, message: str) -> None:
         """End a stream with a gRPC status, without passing it to grpclib."""
-        # The peer may have reset it already, in the same read: h2 then says it
-        # is closed, or, once a later stream made h2 forget it, that its id is
-        # too low for a new one. Either way there is no one left to answer.
-        with contextlib.suppress(StreamClosedError, StreamIDTooLowError):
+        # What the peer sent in the same read may leave no one to answer: a reset
+        # of the stream (h2 says it is closed, or, once a later stream made h2
+        # forget it, tries to open it anew and finds its id too low or the peer's
+        # stream limit reached), or a GOAWAY (the connection is closed).
+        with contextlib.suppress(ProtocolError):
             self._send_status(stream_id, http_status, grpc_status, message)
 
     def _send_status(

@@ -28,7 +28,7 @@ from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
-from hyperframe.frame import RstStreamFrame, SettingsFrame, WindowUpdateFrame
+from hyperframe.frame import PingFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.rpc.connections import INTERNAL_ERROR
@@ -58,10 +58,20 @@ def messages(peer: RawPeer, stream_id: int) -> list[bytes]:
 
 @asynccontextmanager
 async def healthy_subscriber(server: ServerHarness) -> AsyncIterator[RawPeer]:
-    async with raw_peer(server.port) as peer:
+    """A subscriber that pings every 20 s, as a client with keepalive does: the
+    runs take about a minute of virtual time, past the server's keepalive."""
+    async with raw_peer(server.port) as peer, trio.open_nursery() as nursery:
         await peer.subscribe_wide_open("CCAgent")
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+        nursery.start_soon(keep_alive, peer)
         yield peer
+        nursery.cancel_scope.cancel()
+
+
+async def keep_alive(peer: RawPeer) -> None:
+    while True:
+        await trio.sleep(20.0)
+        await peer.send(PingFrame(0, opaque_data=b"healthy!"))
 
 
 async def publishing(server: ServerHarness, count: int, *, npus: int = 8) -> None:

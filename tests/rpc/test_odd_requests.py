@@ -18,13 +18,14 @@ import pytest
 import trio
 import trio.testing
 from h2.errors import ErrorCodes
-from hyperframe.frame import DataFrame, RstStreamFrame
+from hyperframe.frame import DataFrame, GoAwayFrame, RstStreamFrame
 
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import connections
 from jobsignal.rpc.connections import INTERNAL_ERROR, PROTOCOL_ERROR
 from jobsignal.rpc.session import SessionSettings
 from tests.support.grpc_server import open_jobsignal_server
+from tests.support.waiting import wait_until
 
 from .test_hostile_h2 import RawPeer, goaway_of, grpc_request_headers, raw_peer, register_body
 from .test_request_bounds import ended, status_of
@@ -76,6 +77,8 @@ BAD_MESSAGES = {
     # Part of a prefix, or of a body: grpclib's buffer raised AssertionError (UNKNOWN).
     "part-prefix": (b"\x00\x00", INVALID_ARGUMENT, "request truncated"),
     "part-body": (b"\x00\x00\x00\x00\x64" + b"x" * 50, INVALID_ARGUMENT, "request truncated"),
+    # A prefix, then the end: grpclib's buffer gave no bytes (no AssertionError).
+    "no-body": (b"\x00\x00\x00\x00\x09", INVALID_ARGUMENT, "request truncated"),
 }
 
 
@@ -126,14 +129,17 @@ async def test_a_call_whose_deadline_is_already_over_is_deadline_exceeded(
         assert (await answer(peer, 3))[0] == OK
 
 
+@pytest.mark.parametrize("peer_stream_limit", [None, 0], ids=["default", "no-server-streams"])
 async def test_a_malformed_request_reset_in_the_same_read_costs_only_its_stream(
-    io_clock: trio.testing.MockClock,
+    io_clock: trio.testing.MockClock, peer_stream_limit: int | None
 ) -> None:
     """HEADERS without :path, its RST_STREAM and a new stream, in one read: by the
     time the server answers the first, h2 has forgotten it (the new stream's id is
-    higher), and the answer raised instead of being dropped."""
+    higher), and the answer raised instead of being dropped: StreamIDTooLowError,
+    or TooManyStreamsError where the peer allows the server no streams of its own."""
     async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
-        await peer.handshake()
+        limit = {} if peer_stream_limit is None else {"max_concurrent_streams": 0}
+        await peer.handshake(**limit)
         no_path = [h for h in grpc_request_headers(server.port) if h[0] != ":path"]
         await peer.send(
             peer.headers_frame(1, no_path),
@@ -144,6 +150,24 @@ async def test_a_malformed_request_reset_in_the_same_read_costs_only_its_stream(
         assert (await answer(peer, 3))[0] == OK
         assert peer.goaway() is None
         await peer.assert_serves_a_request(5)
+        assert server.connections.closed_by_server[INTERNAL_ERROR] == 0
+
+
+async def test_a_request_answered_at_once_beside_the_peers_goaway_costs_nothing(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """A call the server answers itself (its deadline already over) and the peer's
+    GOAWAY in one read: h2 has closed the connection by the time the answer goes,
+    and the answer raised (the connection closed as "internal_error")."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await peer.handshake()
+        fields = [*grpc_request_headers(server.port), ("grpc-timeout", "0n")]
+        await peer.send(
+            peer.headers_frame(1, fields),
+            GoAwayFrame(0, last_stream_id=0, error_code=ErrorCodes.NO_ERROR),
+        )
+        await peer.read_until(lambda p: False)  # until the server closes
+        await wait_until(lambda: len(server.connections) == 0)
         assert server.connections.closed_by_server[INTERNAL_ERROR] == 0
 
 
