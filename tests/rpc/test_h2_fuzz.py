@@ -58,19 +58,20 @@ def messages(peer: RawPeer, stream_id: int) -> list[bytes]:
 
 @asynccontextmanager
 async def healthy_subscriber(server: ServerHarness) -> AsyncIterator[RawPeer]:
-    """A subscriber that pings every 20 s, as a client with keepalive does: the
-    runs take about a minute of virtual time, past the server's keepalive."""
+    """A subscriber that reads all the time and pings every 20 s, as a client with
+    keepalive does: a run takes about a minute of virtual time, past the server's
+    keepalive, and publishes more than a socket buffer holds."""
     async with raw_peer(server.port) as peer, trio.open_nursery() as nursery:
         await peer.subscribe_wide_open("CCAgent")
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
-        nursery.start_soon(keep_alive, peer)
+        nursery.start_soon(read_and_ping, peer)
         yield peer
         nursery.cancel_scope.cancel()
 
 
-async def keep_alive(peer: RawPeer) -> None:
-    while True:
-        await trio.sleep(20.0)
+async def read_and_ping(peer: RawPeer) -> None:
+    while not peer.closed:
+        await read_for(peer, 20.0)
         await peer.send(PingFrame(0, opaque_data=b"healthy!"))
 
 
@@ -123,7 +124,7 @@ async def test_random_frames_hurt_no_one_but_their_sender(
             for seed in range(HOSTILE_CONNECTIONS):
                 with interrupted_after(30.0):
                     await hostile_connection(server, seed)
-        await healthy.read_until(lambda p: len(messages(p, HEALTHY_STREAM)) == 50)
+        await wait_until(lambda: len(messages(healthy, HEALTHY_STREAM)) == 50)
         received = [JobSummarySignal.parse(m).job_name for m in messages(healthy, HEALTHY_STREAM)]
         assert received == [f"train-{index}" for index in range(50)]
         await assert_all_released(server)
@@ -188,7 +189,7 @@ async def test_peers_moving_their_windows_about_get_whole_messages(
         for seed in range(PLAYING_CONNECTIONS):
             with interrupted_after(30.0):
                 await playing_connection(server, seed)
-        await read_for(healthy, 1.0)
+        await trio.sleep(1.0)
         assert all(JobSummarySignal.parse(m).job_id for m in messages(healthy, HEALTHY_STREAM))
         await assert_all_released(server)
         assert server.connections.closed_by_server[INTERNAL_ERROR] == 0
