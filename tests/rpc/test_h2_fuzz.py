@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
+from h2.settings import SettingCodes
 from hyperframe.frame import PingFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from jobsignal._proto.job import JobSummarySignal
@@ -39,21 +40,12 @@ from tests.support.waiting import wait_until
 
 from .test_hostile_h2 import PREFACE, RawPeer, raw_peer
 from .test_odd_requests import nothing_logged_at_error  # noqa: F401  (autouse, here too)
-from .test_whole_messages import interrupted_after
+from .test_whole_messages import cut_bytes, interrupted_after, messages
 
 HOSTILE_CONNECTIONS = 120
 PLAYING_CONNECTIONS = 30
 HEALTHY_STREAM = 3
-
-
-def messages(peer: RawPeer, stream_id: int) -> list[bytes]:
-    """The gRPC messages received whole on `stream_id` (a cut last one is left out)."""
-    body = b"".join(peer.data_frames(stream_id))
-    found = []
-    while len(body) >= 5 and len(body) >= 5 + (length := int.from_bytes(body[1:5], "big")):
-        found.append(body[5 : 5 + length])
-        body = body[5 + length :]
-    return found
+INITIAL_WINDOW, MAX_FRAME = SettingCodes.INITIAL_WINDOW_SIZE, SettingCodes.MAX_FRAME_SIZE
 
 
 @asynccontextmanager
@@ -144,7 +136,7 @@ async def playing_connection(server: ServerHarness, seed: int) -> None:
         role = rng.choice(("FdAgent", "DefaultUser1"))  # FdAgent: a snapshot first
         client_id = await peer.register(1, role)
         window = rng.choice((0, 1, 100, 5_000, 65_535))
-        await peer.send(SettingsFrame(0, settings={4: window}))
+        await peer.send(SettingsFrame(0, settings={INITIAL_WINDOW: window}))
         await peer.subscribe(3, role, client_id)
         reset = False
         for _ in range(rng.randint(5, 40)):
@@ -153,9 +145,10 @@ async def playing_connection(server: ServerHarness, seed: int) -> None:
                 server.broadcaster.publish([make_job(rng.randrange(1_000), npus=256)])
             elif move == 1:
                 size = rng.choice((0, 1, 1_000, 65_535, 2**20))
-                await peer.send(SettingsFrame(0, settings={4: size}))
+                await peer.send(SettingsFrame(0, settings={INITIAL_WINDOW: size}))
             elif move == 2:
-                await peer.send(SettingsFrame(0, settings={5: rng.choice((16_384, 2**24 - 1))}))
+                frame_size = rng.choice((16_384, 2**24 - 1))
+                await peer.send(SettingsFrame(0, settings={MAX_FRAME: frame_size}))
             elif move in (3, 4):
                 increment = rng.choice((1, 100, 10_000, 2**20))
                 await peer.send(WindowUpdateFrame(rng.choice((0, 3)), window_increment=increment))
@@ -167,20 +160,13 @@ async def playing_connection(server: ServerHarness, seed: int) -> None:
             return
         # Wide open: no window can pass 2**31 - 1 (the moves added at most 2**26).
         await peer.send(
-            SettingsFrame(0, settings={4: 2**20}),
+            SettingsFrame(0, settings={INITIAL_WINDOW: 2**20}),
             WindowUpdateFrame(0, window_increment=2**30),
             WindowUpdateFrame(3, window_increment=2**30),
         )
         with trio.move_on_after(10.0):
             await peer.read_until(lambda p: not cut_bytes(p, 3), within=11.0)
         assert not cut_bytes(peer, 3), f"seed {seed}: a message never finished"
-
-
-def cut_bytes(peer: RawPeer, stream_id: int) -> int:
-    """The bytes of a message begun on `stream_id` and not finished."""
-    return len(b"".join(peer.data_frames(stream_id))) - sum(
-        5 + len(m) for m in messages(peer, stream_id)
-    )
 
 
 async def test_peers_moving_their_windows_about_get_whole_messages(
