@@ -108,7 +108,7 @@ def npu_count(hccl_json: str) -> str:
         table = json.loads(hccl_json)
         servers = table.get("server_list", [])
         return str(sum(len(server.get("device", [])) for server in servers))
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError, RecursionError):
         return "<unknown>"
 
 

@@ -12,7 +12,7 @@ about httpx, sockets, JSON or plugins.
 
 from __future__ import annotations
 
-import json
+import logging
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
 from contextlib import aclosing, asynccontextmanager
@@ -21,9 +21,13 @@ from typing import Any, Protocol
 import httpx
 import trio
 
+from jobsignal.kube import documents
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, load_client_certificate
 from jobsignal.kube.exec_credentials import ExecCredentialError, ExecCredentials
+from jobsignal.logs import RateLimitedLog
 from jobsignal.version import __version__
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -74,7 +78,7 @@ def _error_for(status: int, body: bytes, headers: Mapping[str, str]) -> ApiError
 
 def _status_message(body: bytes) -> str:
     try:
-        parsed = json.loads(body)
+        parsed, _ = documents.loads(body)
     except ValueError:
         return ""
     message = parsed.get("message") if isinstance(parsed, dict) else None
@@ -172,6 +176,21 @@ class KubeApi:
         self._client = client
         self._tokens = tokens
         self._read_timeout = read_timeout
+        self._faults = RateLimitedLog(log)
+
+    def _decode(self, data: bytes, what: str) -> Any:
+        """A document the API server sent (ValueError when it is not JSON)."""
+        document, dropped = documents.loads(data)
+        if dropped:
+            self._faults.warning(
+                "nested_too_deep",
+                "%s nested deeper than %d levels: %d values below that depth were not"
+                " read (a ConfigMap's managedFields?)",
+                what,
+                documents.MAX_DEPTH,
+                dropped,
+            )
+        return document
 
     def _headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json"}
@@ -199,7 +218,7 @@ class KubeApi:
         if response.status_code != 200:
             raise _error_for(response.status_code, response.content, response.headers)
         try:
-            page = response.json()
+            page = self._decode(response.content, "LIST response")
         except ValueError:
             raise BadResponse("LIST response is not JSON") from None
         if not isinstance(page, dict) or not isinstance(page.get("items", []), list):
@@ -258,9 +277,7 @@ class KubeApi:
                 if not line.strip():
                     continue
                 try:
-                    # As the API server sends it: UTF-8 (an invalid byte becomes U+FFFD,
-                    # which the store then sees, rather than ending the watch).
-                    event = json.loads(line.decode("utf-8", "replace"))
+                    event = self._decode(line, "WATCH event")
                 except ValueError:
                     raise BadResponse(
                         f"WATCH sent a line that is not JSON: {line[:80]!r}"

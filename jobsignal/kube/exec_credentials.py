@@ -252,6 +252,8 @@ class ExecCredentials:
             document = json.loads(output)
         except ValueError:
             raise self._error("printed something that is not JSON") from None
+        except RecursionError:
+            raise self._error("printed JSON nested too deep to read") from None
         if not isinstance(document, dict):
             raise self._error("did not print a JSON object")
         if document.get("kind") != "ExecCredential":

@@ -32,6 +32,7 @@ from jobsignal.sim.emulator import (
     HttpError,
     KubeEmulator,
     MalformedLine,
+    RawJson,
     SplitLines,
     Stall,
     open_emulator,
@@ -314,6 +315,27 @@ async def test_watch_without_version_starts_with_current_state(
         live = await w.next()
         assert kinds_and_names([live]) == [("MODIFIED", "a")]
         assert live["object"]["metadata"]["resourceVersion"] == str(emu.state.resource_version)
+
+
+async def test_managed_fields_are_served_as_written_however_deep(
+    emu: KubeEmulator, client: httpx.AsyncClient
+) -> None:
+    deep = '[{"fieldsV1":' + '{"f:a":' * 5000 + "{}" + "}" * 5001 + "]"
+    emu.state.create_configmap("ns", "a", managed_fields=RawJson(deep))
+    emu.state.create_configmap("ns", "b", managed_fields=RawJson('[{"manager":"m"}]'))
+    listed = await client.get("/api/v1/configmaps")
+    assert listed.status_code == 200
+    assert f'"managedFields":{deep}}}' in listed.text
+    async with watch(client, "/api/v1/configmaps", resourceVersion="0") as w:
+        assert f'"managedFields":{deep}}}' in await w.next_line()
+        assert (await w.next())["object"]["metadata"]["managedFields"] == [{"manager": "m"}]
+        # A write that sets nothing new is no write; new managedFields are one.
+        created = emu.state.resource_version
+        emu.state.update_configmap("ns", "b", managed_fields=RawJson('[{"manager":"m"}]'))
+        emu.state.update_configmap("ns", "b", managed_fields=RawJson("[]"))
+        changed = await w.next()
+    assert changed["object"]["metadata"]["managedFields"] == []
+    assert changed["object"]["metadata"]["resourceVersion"] == str(created + 1)
 
 
 async def test_watch_from_a_version_streams_every_later_change(

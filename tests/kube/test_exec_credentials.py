@@ -326,6 +326,7 @@ FAILURES: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "exit-quiet": ({"exit": 1}, "exited with status 1 (no stderr)"),
     "not-json": ({"stdout": f"token={SECRET}"}, "printed something that is not JSON"),
+    "too-deep": ({"stdout": "[" * 100_000 + "]" * 100_000}, "printed JSON nested too deep to read"),
     "not-object": ({"stdout": json.dumps([SECRET])}, "did not print a JSON object"),
     "wrong-kind": (
         {"stdout": json.dumps({"kind": "Secret", "apiVersion": V1})},

@@ -27,7 +27,7 @@ from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.kube import watcher as watcher_module
 from jobsignal.sim.clusterd import JOB_LABELS
-from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.emulator import KubeEmulator, RawJson, open_emulator
 from jobsignal.store import JobStore, JobSummary
 from jobsignal.store.jobs import Changes
 from tests.support.cluster import Cluster, expected_summary
@@ -150,6 +150,45 @@ async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
     assert set(lines) == set(expected)
     assert all(count <= 5 for count in lines.values()), lines
     assert all(len(r.getMessage()) < 500 for r in caplog.records)
+
+
+def deep_managed_fields(depth: int) -> RawJson:
+    """managedFields whose one entry nests `depth` levels of fields, as a writer may
+    set them (the API server's decoder allows 10,000)."""
+    fields = '{"f:data":' * depth + "{}" + "}" * depth
+    entry = '{"manager":"tenant","operation":"Update","apiVersion":"v1","fieldsType":"FieldsV1"'
+    return RawJson(f'[{entry},"fieldsV1":{fields}}}]')
+
+
+async def test_managed_fields_too_deep_for_json_cost_no_job_its_state(
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Deeper than Python's json decodes on any version (about 1,000 to 10,000).
+    deep = deep_managed_fields(20_000)
+    caplog.set_level(logging.WARNING, logger="jobsignal.kube")
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        listed, watched, plain = clusterd_job("listed"), clusterd_job("watched"), clusterd_job("b")
+        cluster.write(listed, "running", managed_fields=deep)
+        cluster.write(plain, "running")
+        async with open_watcher(emu) as harness:
+            with trio.fail_after(10):
+                await harness.status.ready.wait()
+            await harness.caught_up(cluster)
+            # By the watch: a new job with deep fields, then a change to one listed with them.
+            cluster.write(watched, "pending", managed_fields=deep)
+            cluster.write(listed, "complete")
+            cluster.write(plain, "complete")
+            await harness.caught_up(cluster)
+            counters = harness.watcher.counters
+            assert (counters.lists, counters.errors, counters.apply_errors) == (1, 0, 0)
+    assert harness.log.live() == {
+        expected_summary(job, status).key: expected_summary(job, status)
+        for job, status in ((listed, "complete"), (watched, "pending"), (plain, "complete"))
+    }
+    warnings = [r.getMessage() for r in caplog.records if "nested deeper" in r.getMessage()]
+    assert warnings[0].startswith("LIST response nested deeper than 64 levels: 1 values")
+    assert any(w.startswith("WATCH event nested deeper than 64 levels") for w in warnings)
 
 
 async def test_rejection_logs_are_rate_limited_per_reason(

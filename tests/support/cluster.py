@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.sim.emulator import ConfigMapStore, Selector, StatusError
+from jobsignal.sim.emulator import ConfigMapStore, RawJson, Selector, StatusError
 from jobsignal.store import JobKey, JobSummary
 from jobsignal.store.configmap import BadConfigMap, Slice, parse_slice
 from jobsignal.store.jobs import assemble
@@ -101,15 +101,21 @@ class Cluster:
         delete_time: int | None = None,
         *,
         labels: Mapping[str, str] = JOB_LABELS,
+        managed_fields: RawJson | None = None,
     ) -> None:
-        """Create or rewrite every ConfigMap of `job`, as ClusterD does on a change."""
+        """Create or rewrite every ConfigMap of `job`, as ClusterD does on a change
+        (`managed_fields`: set them too, as another writer might have)."""
         for name, data in job.configmaps(status, operator, delete_time):
             try:
                 self.state.get(job.namespace, name)
             except StatusError:
-                self.state.create_configmap(job.namespace, name, labels, data)
+                self.state.create_configmap(
+                    job.namespace, name, labels, data, managed_fields=managed_fields
+                )
             else:
-                self.state.update_configmap(job.namespace, name, data=data)
+                self.state.update_configmap(
+                    job.namespace, name, data=data, managed_fields=managed_fields
+                )
         self._record()
 
     def remove(self, job: ClusterdJob) -> None:

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import ssl
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from jobsignal.sim.emulator.state import (
     EventType,
     ListOptions,
     ListPage,
+    RawJson,
     ResourceVersionTooLarge,
     Selector,
     StatusError,
@@ -338,7 +340,20 @@ def _parse_int(params: Mapping[str, str], name: str) -> int | None:
 
 
 def _encode(obj: Mapping[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    """Compact JSON; each `RawJson` value is spliced in as it is."""
+    spliced: dict[str, str] = {}
+
+    def mark(value: object) -> str:
+        if not isinstance(value, RawJson):
+            raise TypeError(f"cannot encode {type(value).__name__}")
+        marker = f"raw-json-{uuid.uuid4().hex}"
+        spliced[marker] = value.text
+        return marker
+
+    text = json.dumps(obj, separators=(",", ":"), default=mark)
+    for marker, raw in spliced.items():
+        text = text.replace(f'"{marker}"', raw, 1)
+    return text.encode()
 
 
 def _json_headers(body: bytes) -> list[tuple[str, str]]:

@@ -127,6 +127,18 @@ def _rfc3339(seconds: float) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class RawJson:
+    """JSON text the emulator serves as it is (its encoder splices it in).
+
+    For values deeper than Python's `json` encodes: a writer may set an
+    object's `metadata.managedFields`, and the API server's decoder allows
+    10,000 levels of nesting there.
+    """
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ConfigMap:
     """One stored ConfigMap. Mappings are private copies; never mutate them."""
 
@@ -137,6 +149,9 @@ class ConfigMap:
     creation_timestamp: str
     labels: Mapping[str, str]
     data: Mapping[str, str]
+    # `metadata.managedFields` as a writer set it (not checked, not updated by
+    # writes as the API server's field manager would).
+    managed_fields: RawJson | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -157,6 +172,8 @@ class ConfigMap:
         # The API server omits empty maps from its JSON.
         if self.labels:
             metadata["labels"] = dict(self.labels)
+        if self.managed_fields is not None:
+            metadata["managedFields"] = self.managed_fields
         obj: dict[str, Any] = {}
         if with_type:
             obj["kind"] = "ConfigMap"
@@ -598,6 +615,8 @@ class ConfigMapStore:
         name: str,
         labels: Mapping[str, str] | None = None,
         data: Mapping[str, str] | None = None,
+        *,
+        managed_fields: RawJson | None = None,
     ) -> ConfigMap:
         """Create; 409 AlreadyExists if (namespace, name) is taken."""
         if (namespace, name) in self._objects:
@@ -614,6 +633,7 @@ class ConfigMapStore:
             creation_timestamp=_rfc3339(self._wall_clock()),
             labels=_str_map(labels, "labels"),
             data=_str_map(data, "data"),
+            managed_fields=managed_fields,
         )
         self._objects[obj.key] = obj
         self._record(Change("ADDED", rv, obj, None))
@@ -626,9 +646,10 @@ class ConfigMapStore:
         *,
         labels: Mapping[str, str] | None = None,
         data: Mapping[str, str] | None = None,
+        managed_fields: RawJson | None = None,
         expected_resource_version: int | None = None,
     ) -> ConfigMap:
-        """Replace the labels and/or the data (None keeps them).
+        """Replace the labels, the data and/or the managedFields (None keeps them).
 
         An update that changes nothing is a no-op, as in the API server: the
         resourceVersion stays and no watch event is sent. With
@@ -646,10 +667,13 @@ class ConfigMapStore:
             )
         new_labels = _str_map(labels, "labels") if labels is not None else old.labels
         new_data = _str_map(data, "data") if data is not None else old.data
-        if new_labels == old.labels and new_data == old.data:
+        new_fields = managed_fields if managed_fields is not None else old.managed_fields
+        if (new_labels, new_data, new_fields) == (old.labels, old.data, old.managed_fields):
             return old
         rv = self._next_version()
-        obj = dataclasses.replace(old, resource_version=rv, labels=new_labels, data=new_data)
+        obj = dataclasses.replace(
+            old, resource_version=rv, labels=new_labels, data=new_data, managed_fields=new_fields
+        )
         self._objects[obj.key] = obj
         self._record(Change("MODIFIED", rv, obj, old))
         return obj
