@@ -9,6 +9,7 @@ see the clock rule in tests/conftest.py).
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import ssl
@@ -295,6 +296,25 @@ async def test_crud_status_codes(emu: KubeEmulator, client: httpx.AsyncClient) -
     assert (await client.put(f"{base}/a", json=body)).status_code == 404
     assert (await client.get("/api/v1/pods")).status_code == 404
     assert (await client.delete(base)).status_code == 405
+
+
+async def test_bodies_nested_too_deeply_are_400_and_the_emulator_goes_on(
+    emu: KubeEmulator, client: httpx.AsyncClient
+) -> None:
+    base = "/api/v1/namespaces/ns/configmaps"
+    emu.state.create_configmap("ns", "a")
+    deep = '{"metadata":{"name":"b"},"x":' + "[" * 20_000 + "]" * 20_000 + "}"
+    created = await client.post(base, content=deep)
+    patch = '{"x":' * 5000 + "1" + "}" * 5000
+    patched = await client.patch(
+        f"{base}/a", content=patch, headers={"Content-Type": "application/merge-patch+json"}
+    )
+    token = base64.urlsafe_b64encode(b"[" * 20_000).decode()
+    continued = await client.get(base, params={"limit": "1", "continue": token})
+    for answer in (created, patched, continued):
+        assert answer.status_code == 400
+        assert answer.json()["kind"] == "Status"
+    assert (await client.get(f"{base}/a")).status_code == 200
 
 
 # -------------------------------------------------------------------------- WATCH

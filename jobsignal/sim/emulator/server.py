@@ -384,6 +384,8 @@ def _object_body(body: bytes) -> dict[str, Any]:
         decoded = json.loads(body or b"null")
     except ValueError:
         raise StatusError(400, "the request body is not valid JSON") from None
+    except RecursionError:  # the API server's decoder stops at 10,000 levels
+        raise StatusError(400, "the request body is nested too deeply") from None
     if not isinstance(decoded, dict):
         raise StatusError(400, "the request body must be a JSON object")
     return decoded
@@ -627,7 +629,10 @@ class _Connection:
             ):
                 raise StatusError(415, f"the media type {content_type!r} is not supported")
             current = state.get(namespace, name).to_json()
-            patched = _merge_patch(current, _object_body(body))
+            try:
+                patched = _merge_patch(current, _object_body(body))
+            except RecursionError:  # decoded (3.13 goes deeper), but too deep to merge
+                raise StatusError(400, "the request body is nested too deeply") from None
             labels, data = _labels_and_data(patched)
             updated = state.update_configmap(namespace, name, labels=labels, data=data)
             await self._send_json(200, updated.to_json())

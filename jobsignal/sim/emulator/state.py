@@ -515,7 +515,7 @@ def decode_continue(token: str) -> tuple[int, tuple[str, str]]:
         decoded = json.loads(raw)
         rv = decoded["rv"]
         namespace, name = decoded["after"]
-    except (binascii.Error, ValueError, KeyError, TypeError) as exc:
+    except (binascii.Error, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise StatusError(400, "continue key is not valid") from exc
     if not isinstance(rv, int) or not isinstance(namespace, str) or not isinstance(name, str):
         raise StatusError(400, "continue key is not valid")
