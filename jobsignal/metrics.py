@@ -310,7 +310,8 @@ def _kube_families(counters: WatchCounters) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "jobsignal_kube_errors_total",
         "Failed LIST or WATCH calls (unreachable, timeouts, 401/403, 429, 5xx, unreadable"
-        " answers, watch ERROR events other than 410), each followed by a backoff.",
+        " answers, watch ERROR events other than 410, unexpected faults logged with their"
+        " traceback), each followed by a backoff.",
         value=counters.errors,
     )
     yield CounterMetricFamily(

@@ -217,6 +217,22 @@ class Watcher:
                     delay,
                 )
                 await trio.sleep(delay)
+            except Exception:
+                # A fault `kube/api.py` did not foresee (a bug here or in a
+                # dependency): the watcher serves every tenant, so it must not
+                # end. Counted as a failed call; relist, as its place is unknown.
+                self.counters.errors += 1
+                scope.version = None
+                self._status.mark_unreachable("unexpected error (logged)")
+                delay = backoff.next_delay()
+                self._faults.error(
+                    "unexpected_error",
+                    "watch of %s failed unexpectedly; serving last known state, relist in %.1fs",
+                    where,
+                    delay,
+                    exc_info=True,
+                )
+                await trio.sleep(delay)
 
     def _mark_listed(self, namespace: str | None) -> None:
         self._listed.add(namespace)

@@ -25,6 +25,7 @@ import jobsignal.fanout.encoding as encoding_module
 import jobsignal.store.configmap as configmap_module
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, StreamKind
+from jobsignal.kube import documents
 from jobsignal.kube import watcher as watcher_module
 from jobsignal.sim.clusterd import JOB_LABELS
 from jobsignal.sim.emulator import KubeEmulator, RawJson, open_emulator
@@ -237,6 +238,43 @@ async def test_unexpected_error_applying_one_event_skips_only_that_event(
             assert harness.watcher.counters.apply_errors == 1
             assert harness.watcher.counters.watches == 1  # the watch went on
     assert any("applying a ADDED event failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_unforeseen_error_of_the_api_layer_costs_a_relist_not_the_watcher(
+    io_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    real_loads = documents.loads
+    failures = [KeyError("a bug in the WATCH decoding"), KeyError("and again in the LIST")]
+
+    def loads(data: bytes | str) -> tuple[Any, int]:
+        cursed = b"job-summary-cursed" in (data if isinstance(data, bytes) else data.encode())
+        if cursed and failures:
+            raise failures.pop(0)
+        return real_loads(data)
+
+    monkeypatch.setattr(documents, "loads", loads)
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        a, cursed = clusterd_job("a"), clusterd_job("cursed")
+        cluster.write(a, "pending")
+        async with open_watcher(emu) as harness:
+            await harness.caught_up(cluster)
+            cluster.write(cursed, "running")
+            cluster.write(a, "running")
+            # The watch event fails, then the relist: a backoff after each.
+            await harness.caught_up(cluster, timeout=60)
+            counters = harness.watcher.counters
+            assert (counters.errors, counters.lists) == (2, 2)  # one LIST failed
+            assert harness.status.ready.is_set()
+    assert harness.log.live() == {
+        expected_summary(job, "running").key: expected_summary(job, "running")
+        for job in (a, cursed)
+    }
+    failed = [r for r in caplog.records if "failed unexpectedly" in r.getMessage()]
+    assert [r.levelno for r in failed] == [logging.ERROR] * 2
+    assert all(r.exc_info is not None for r in failed)
 
 
 async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_failed(
