@@ -14,6 +14,8 @@ import dataclasses
 import json
 import logging
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -27,14 +29,14 @@ from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.kube import documents
 from jobsignal.kube import watcher as watcher_module
-from jobsignal.sim.clusterd import JOB_LABELS
+from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.sim.emulator import KubeEmulator, RawJson, open_emulator
 from jobsignal.store import JobStore, JobSummary
 from jobsignal.store.jobs import Changes
 from tests.support.cluster import Cluster, expected_summary
 from tests.support.factories import clusterd_job
 from tests.support.waiting import wait_until
-from tests.support.watching import open_watcher
+from tests.support.watching import WatchHarness, open_watcher
 
 
 def strict_loads(text: str) -> Any:
@@ -213,6 +215,21 @@ async def test_rejection_logs_are_rate_limited_per_reason(
     assert any("35 similar messages suppressed" in m for m in messages)
 
 
+@asynccontextmanager
+async def cursed_then_a_runs() -> AsyncIterator[tuple[WatchHarness, Cluster, ClusterdJob]]:
+    """A watcher caught up with job "a" pending; then job "cursed" is written
+    running, and "a" made running."""
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        a = clusterd_job("a")
+        cluster.write(a, "pending")
+        async with open_watcher(emu) as harness:
+            await harness.caught_up(cluster)
+            cluster.write(clusterd_job("cursed"), "running")
+            cluster.write(a, "running")
+            yield harness, cluster, a
+
+
 async def test_unexpected_error_applying_one_event_skips_only_that_event(
     io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -226,17 +243,10 @@ async def test_unexpected_error_applying_one_event_skips_only_that_event(
         return real_apply(self, kind, obj, now)
 
     monkeypatch.setattr(JobStore, "apply", apply)
-    async with open_emulator() as emu:
-        cluster = Cluster(emu.state)
-        a = clusterd_job("a")
-        cluster.write(a, "pending")
-        async with open_watcher(emu) as harness:
-            await harness.caught_up(cluster)
-            create(emu, *clusterd_job("cursed").configmaps("running")[0])
-            cluster.write(a, "running")
-            await wait_until(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
-            assert harness.watcher.counters.apply_errors == 1
-            assert harness.watcher.counters.watches == 1  # the watch went on
+    async with cursed_then_a_runs() as (harness, _, a):
+        await wait_until(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
+        assert harness.watcher.counters.apply_errors == 1
+        assert harness.watcher.counters.watches == 1  # the watch went on
     assert any("applying a ADDED event failed" in r.getMessage() for r in caplog.records)
 
 
@@ -255,22 +265,15 @@ async def test_an_unforeseen_error_of_the_api_layer_costs_a_relist_not_the_watch
         return real_loads(data)
 
     monkeypatch.setattr(documents, "loads", loads)
-    async with open_emulator() as emu:
-        cluster = Cluster(emu.state)
-        a, cursed = clusterd_job("a"), clusterd_job("cursed")
-        cluster.write(a, "pending")
-        async with open_watcher(emu) as harness:
-            await harness.caught_up(cluster)
-            cluster.write(cursed, "running")
-            cluster.write(a, "running")
-            # The watch event fails, then the relist: a backoff after each.
-            await harness.caught_up(cluster, timeout=60)
-            counters = harness.watcher.counters
-            assert (counters.errors, counters.lists) == (2, 2)  # one LIST failed
-            assert harness.status.ready.is_set()
+    async with cursed_then_a_runs() as (harness, cluster, a):
+        # The watch event fails, then the relist: a backoff after each.
+        await harness.caught_up(cluster, timeout=60)
+        counters = harness.watcher.counters
+        assert (counters.errors, counters.lists) == (2, 2)  # one LIST failed
+        assert harness.status.ready.is_set()
     assert harness.log.live() == {
         expected_summary(job, "running").key: expected_summary(job, "running")
-        for job in (a, cursed)
+        for job in (a, clusterd_job("cursed"))
     }
     failed = [r for r in caplog.records if "failed unexpectedly" in r.getMessage()]
     assert [r.levelno for r in failed] == [logging.ERROR] * 2
@@ -320,24 +323,15 @@ async def test_unencodable_event_is_dropped_and_the_watcher_goes_on(
         return real_encode(job, uuid, strip_rank_table=strip_rank_table)
 
     monkeypatch.setattr("jobsignal.fanout.broadcaster.encode_signal", encode)
-    async with open_emulator() as emu:
-        cluster = Cluster(emu.state)
-        a, cursed = clusterd_job("a"), clusterd_job("cursed")
-        cluster.write(a, "pending")
-        async with open_watcher(emu) as harness:
-            await harness.caught_up(cluster)
-            cluster.write(cursed, "running")
-            cluster.write(a, "running")
-            await wait_until(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
-            stats = harness.broadcaster.stats
-            assert stats.events_dropped == {"publish": 1}
-            # A snapshot subscriber now gets the jobs that can be sent.
-            late = harness.broadcaster.subscribe(
-                StreamKind.SIGNAL, "FdAgent", "late", snapshot=True
-            )
-            frames = [JobSummarySignal.parse(f) for f in await late.next_batch(10)]
-            assert [f.job_id for f in frames] == ["uid-a"]
-            assert harness.watcher.counters.apply_errors == 0
+    async with cursed_then_a_runs() as (harness, _, a):
+        await wait_until(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
+        stats = harness.broadcaster.stats
+        assert stats.events_dropped == {"publish": 1}
+        # A snapshot subscriber now gets the jobs that can be sent.
+        late = harness.broadcaster.subscribe(StreamKind.SIGNAL, "FdAgent", "late", snapshot=True)
+        frames = [JobSummarySignal.parse(f) for f in await late.next_batch(10)]
+        assert [f.job_id for f in frames] == ["uid-a"]
+        assert harness.watcher.counters.apply_errors == 0
 
 
 def poison_summary(job_id: str) -> JobSummary:
