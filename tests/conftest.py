@@ -27,6 +27,7 @@ adds no jumps (each jump of `io_clock` costs its threshold in real time).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -69,3 +70,17 @@ async def emu() -> AsyncIterator[KubeEmulator]:
 @pytest.fixture
 def io_clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=IO_AUTOJUMP_THRESHOLD)
+
+
+@pytest.fixture
+def nothing_logged_at_error(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Whatever a test's peer sends, nothing is logged at ERROR (by anyone).
+
+    For modules of hostile input: `pytestmark = pytest.mark.usefixtures(...)`.
+    """
+    caplog.set_level(logging.INFO)
+    yield
+    # (In teardown `caplog.records` holds teardown's records: ask for the test's.)
+    records = caplog.get_records("setup") + caplog.get_records("call")
+    errors = [f"{r.name}: {r.getMessage()}" for r in records if r.levelno >= logging.ERROR]
+    assert not errors, errors

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import random
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -28,14 +26,15 @@ import trio.testing
 from jobsignal.fanout import Broadcaster
 from jobsignal.kube.api import KubeApi
 from jobsignal.kube.watcher import Watcher, WatchSettings
-from jobsignal.sim.clusterd import JOB_LABELS
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 from tests.support.cluster import expected_summary
 from tests.support.factories import clusterd_job
-from tests.support.kube_fuzz import ResponseMaker
+from tests.support.kube_fuzz import ResponseMaker, listed_configmap
 from tests.support.waiting import wait_until
 from tests.support.watching import WALL
+
+pytestmark = pytest.mark.usefixtures("nothing_logged_at_error")
 
 HOSTILE_ANSWERS = 600
 HONEST_VERSION = "100000"
@@ -84,16 +83,7 @@ class FuzzedApiServer:
         if not watch:
             self.honest_lists += 1
             items = [
-                {
-                    "metadata": {
-                        "name": name,
-                        "namespace": job.namespace,
-                        "uid": f"uid-{name}",
-                        "resourceVersion": HONEST_VERSION,
-                        "labels": dict(JOB_LABELS),
-                    },
-                    "data": data,
-                }
+                listed_configmap(job.namespace, name, data, HONEST_VERSION)
                 for job in HONEST_JOBS
                 for name, data in job.configmaps("running")
             ]
@@ -114,20 +104,11 @@ class FuzzedApiServer:
             line = json.dumps(gone).encode() + b"\n"
             await stream.send_all(f"{len(line):x}\r\n".encode() + line + b"\r\n0\r\n\r\n")
             return
-        bookmark = {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "100000"}}}
+        bookmark = {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": HONEST_VERSION}}}
         line = json.dumps(bookmark).encode() + b"\n"
         while True:  # until the test ends
             await stream.send_all(f"{len(line):x}\r\n".encode() + line + b"\r\n")
             await trio.sleep(30)
-
-
-@pytest.fixture(autouse=True)
-def nothing_logged_at_error(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    caplog.set_level(logging.WARNING)
-    yield
-    records = caplog.get_records("call")
-    errors = [f"{r.name}: {r.getMessage()}" for r in records if r.levelno >= logging.ERROR]
-    assert not errors, errors
 
 
 @pytest.mark.parametrize("seed", range(1, 6))

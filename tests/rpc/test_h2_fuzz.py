@@ -26,6 +26,7 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 import trio
 import trio.testing
 from h2.settings import SettingCodes
@@ -39,8 +40,9 @@ from tests.support.h2_fuzz import FrameMaker
 from tests.support.waiting import wait_until
 
 from .test_hostile_h2 import PREFACE, RawPeer, raw_peer
-from .test_odd_requests import nothing_logged_at_error  # noqa: F401  (autouse, here too)
 from .test_whole_messages import cut_bytes, interrupted_after, messages
+
+pytestmark = pytest.mark.usefixtures("nothing_logged_at_error")
 
 HOSTILE_CONNECTIONS = 120
 PLAYING_CONNECTIONS = 30

@@ -11,9 +11,6 @@ Raw HTTP/2 peers on 127.0.0.1; time is virtual (`io_clock`).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-
 import pytest
 import trio
 import trio.testing
@@ -38,15 +35,7 @@ REQUEST_TIMEOUT = SessionSettings().request_timeout
 OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNIMPLEMENTED = "0", "3", "4", "12"
 
 
-@pytest.fixture(autouse=True)
-def nothing_logged_at_error(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """Whatever a test's peer sends, nothing is logged at ERROR (by anyone)."""
-    caplog.set_level(logging.INFO)
-    yield
-    # (In teardown `caplog.records` holds teardown's records: ask for the test's.)
-    records = caplog.get_records("setup") + caplog.get_records("call")
-    errors = [f"{r.name}: {r.getMessage()}" for r in records if r.levelno >= logging.ERROR]
-    assert not errors, errors
+pytestmark = pytest.mark.usefixtures("nothing_logged_at_error")
 
 
 async def call(

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from jobsignal.sim.clusterd import JOB_LABELS
-from tests.support.factories import clusterd_job
+from tests.support.factories import clusterd_job, configmap
 
 STATUSES = (200,) * 12 + (201, 204, 301, 302, 304, 400, 401, 403, 404, 410, 429, 500, 503, 999)
 # Values that appear where another type belongs.
@@ -105,14 +105,7 @@ class ResponseMaker:
     def _configmap(self) -> dict[str, Any]:
         job = clusterd_job(f"j{self.rng.randrange(5)}")
         name, data = job.configmaps(self.rng.choice(["running", "pending", "complete"]))[0]
-        metadata = {
-            "name": name,
-            "namespace": job.namespace,
-            "uid": f"uid-{name}",
-            "resourceVersion": str(self.version),
-            "labels": dict(JOB_LABELS),
-        }
-        return {"metadata": metadata, "data": data}
+        return listed_configmap(job.namespace, name, data, str(self.version))
 
     def _list(self) -> dict[str, Any]:
         self.version += 1
@@ -173,6 +166,15 @@ class ResponseMaker:
             else:
                 changed[at:at] = rng.choice(INSERTS)
         return bytes(changed)
+
+
+def listed_configmap(
+    namespace: str, name: str, data: Mapping[str, str], version: str
+) -> dict[str, Any]:
+    """`configmap` as a LIST or WATCH carries it: with a uid and a resourceVersion."""
+    listed = configmap(namespace, name, data)
+    listed["metadata"].update(uid=f"uid-{name}", resourceVersion=version)
+    return listed
 
 
 def _status(code: object) -> dict[str, Any]:
