@@ -629,8 +629,9 @@ class _Connection:
             ):
                 raise StatusError(415, f"the media type {content_type!r} is not supported")
             current = state.get(namespace, name).to_json()
+            patch = _object_body(body)
             try:
-                patched = _merge_patch(current, _object_body(body))
+                patched = _merge_patch(current, patch)
             except RecursionError:  # decoded (3.13 goes deeper), but too deep to merge
                 raise StatusError(400, "the request body is nested too deeply") from None
             labels, data = _labels_and_data(patched)
