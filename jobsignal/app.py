@@ -26,10 +26,12 @@ import trio
 from jobsignal.config import Config, ConfigError
 from jobsignal.events import JobEvents
 from jobsignal.fanout import Broadcaster
+from jobsignal.file_limit import open_file_limit, shortfall
 from jobsignal.heap import release_free_memory
 from jobsignal.kube.api import KubeApi, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.watcher import Watcher, WatchSettings
+from jobsignal.rpc.connections import MAX_LINGERING_REFUSALS
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
 from jobsignal.rpc.tls import TlsConfigError, build_context
@@ -207,6 +209,8 @@ def metric_sources(
         connections_closed_by_server=lambda: server.connections.closed_by_server,
         streams_refused=lambda: server.connections.streams_refused,
         input_held=lambda: server.connections.input_held,
+        accept_pauses=lambda: server.loop_faults.accept_pauses,
+        loop_errors=lambda: server.loop_faults.unexpected,
         rpc_handler_errors=lambda: server.handler_errors,
         rate_limited=server.rate_limited,
         http_errors=lambda: http_stats.errors,
@@ -277,6 +281,17 @@ def readiness(status: SourceStatus, draining: trio.Event) -> str | None:
     return None
 
 
+def _most_connections(config: Config) -> int:
+    """The connections the server may hold at once: gRPC ones, refused ones lingering
+    to answer, and the metrics port's."""
+    most = config.max_connections + MAX_LINGERING_REFUSALS
+    if config.metrics_listen is not None:
+        from jobsignal.metrics_server import MAX_CONNECTIONS as METRICS_CONNECTIONS
+
+        most += METRICS_CONNECTIONS
+    return most
+
+
 async def run_jobsignal(
     config: Config,
     *,
@@ -293,6 +308,8 @@ async def run_jobsignal(
     """
     connection = choose_connection(config, environ)
     settings = server_settings(config)
+    if (why := shortfall(_most_connections(config), open_file_limit())) is not None:
+        log.warning("%s", why)
     if shutdown is None:  # (a trio.Event has no truth value)
         shutdown = trio.Event()
     store = JobStore()

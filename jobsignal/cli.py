@@ -7,11 +7,14 @@ only for `completion`: `serve` loads neither. Output written to a reader that
 has gone (`jobsignal subscribe --json | head -1`) ends the command quietly
 with status 141, as SIGPIPE ends other Unix tools; the process keeps
 ignoring SIGPIPE itself, so a peer closing a socket never kills the server.
+`serve` raises the soft limit of open files to the hard limit first
+(`file_limit.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -28,6 +31,7 @@ from jobsignal.config import (
     add_arguments,
     load_config,
 )
+from jobsignal.file_limit import raise_open_file_limit
 from jobsignal.logs import configure_logging
 from jobsignal.terminal import StdoutClosed, emit, lone_exception
 
@@ -35,6 +39,8 @@ EXIT_USAGE = 2
 # What a shell reports for a command that SIGPIPE ended.
 EXIT_STDOUT_CLOSED = 128 + signal.SIGPIPE
 SHELLS = ("bash", "zsh", "tcsh")
+
+log = logging.getLogger(__name__)
 
 
 # -- the parser -------------------------------------------------------------------------
@@ -179,6 +185,9 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "serve":
         config = load_config(vars(args), os.environ)
         configure_logging(config.log_level, config.log_format)
+        raised = raise_open_file_limit()
+        if raised is not None and raised[1] > raised[0]:
+            log.info("open files: soft limit raised from %d to %d", *raised)
         try:
             trio.run(lambda: run_jobsignal(config, handle_signals=True))
         except BaseExceptionGroup as group:

@@ -31,7 +31,7 @@ def _now() -> float:
 class LogOptions(TypedDict, total=False):
     """What `RateLimitedLog`'s methods pass on to `Logger.log` besides the message."""
 
-    exc_info: bool
+    exc_info: bool | BaseException  # True: the exception being handled
     extra: Mapping[str, object] | None
 
 
@@ -126,6 +126,12 @@ class TextFormatter(logging.Formatter):
         return utc_timestamp(record)
 
 
+# Other libraries' loggers that a peer can make write over and over: grpclib
+# (every failed stream, with a traceback) and trio's accept loop of the metrics
+# port (a line with a traceback every 0.1 s while the process is out of files).
+RATE_LIMITED_LOGGERS = ("grpclib", "trio.serve_listeners")
+
+
 def configure_logging(level: str, fmt: str) -> None:
     """Log to stderr at `level` (any case: INFO, Info, info) as `fmt` ("text" or "json")."""
     handler = logging.StreamHandler(sys.stderr)
@@ -140,9 +146,10 @@ def configure_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
     # grpclib logs cancelled streams at info level and protocol and handler
     # failures with tracebacks; jobsignal reports stream ends itself, so keep
-    # only grpclib's warnings and errors, rate-limited.
-    grpclib_log = logging.getLogger("grpclib")
-    grpclib_log.setLevel(logging.WARNING)
-    if not any(isinstance(f, RateLimitFilter) for f in grpclib_log.filters):
-        grpclib_log.addFilter(RateLimitFilter())
+    # only grpclib's warnings and errors.
+    logging.getLogger("grpclib").setLevel(logging.WARNING)
+    for name in RATE_LIMITED_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
+            logger.addFilter(RateLimitFilter())
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from jobsignal.fanout.stats import FanoutStats
 from jobsignal.metrics_server import HTTP_ERROR_REASONS
+from jobsignal.rpc.loop_faults import ACCEPT_ERRORS
 from jobsignal.store.configmap import REASONS as CONFIGMAP_REJECTION_REASONS
 from jobsignal.version import __version__
 
@@ -53,6 +54,8 @@ class MetricSources:
     connections_closed_by_server: Callable[[], Mapping[str, int]]
     streams_refused: Callable[[], int]
     input_held: Callable[[], int]
+    accept_pauses: Callable[[], Mapping[str, int]]
+    loop_errors: Callable[[], int]
     rpc_handler_errors: Callable[[], Mapping[str, int]]
     rate_limited: Callable[[], Mapping[str, int]]
     http_errors: Callable[[], Mapping[str, int]]
@@ -164,6 +167,21 @@ class JobsignalCollector(Collector):
             "Times a connection's input waited for its address's turn: control frames"
             " beyond --max-control-frames-per-second-per-ip.",
             value=sources.input_held(),
+        )
+        yield _counter(
+            "jobsignal_accept_pauses_total",
+            "Times the gRPC port stopped accepting for a second because accept() failed,"
+            " by error (EMFILE: the process's file limit, ENFILE: the system's, ENOBUFS and"
+            " ENOMEM: kernel memory).",
+            "error",
+            sources.accept_pauses(),
+            ACCEPT_ERRORS,
+        )
+        yield CounterMetricFamily(
+            "jobsignal_loop_errors_total",
+            "Unexpected exceptions the gRPC server's asyncio loop caught (logged at ERROR;"
+            " the connection concerned, when known, is closed).",
+            value=sources.loop_errors(),
         )
         yield _counter(
             "jobsignal_rpc_handler_errors_total",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -145,13 +146,22 @@ def test_readme_run_commands_are_the_tested_ones() -> None:
 
 
 @contextmanager
-def running(*args: str) -> Iterator[subprocess.Popen[str]]:
+def running(
+    *args: str, open_files: tuple[int, int] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """`jobsignal *args` in a child process; `open_files`: its (soft, hard) RLIMIT_NOFILE."""
+
+    def limit_open_files() -> None:
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, open_files)
+
     process = subprocess.Popen(
         [sys.executable, "-m", "jobsignal", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**CLEAN_ENV, "HOME": "/nonexistent"},
+        preexec_fn=limit_open_files,
     )
     try:
         yield process

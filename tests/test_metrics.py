@@ -31,6 +31,7 @@ from jobsignal.config import load_config
 from jobsignal.fanout.stats import FanoutStats, Histogram
 from jobsignal.kube.watcher import WatchCounters
 from jobsignal.metrics import BuildInfo, MetricSources, build_registry
+from jobsignal.rpc.loop_faults import ACCEPT_ERRORS
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.sim.emulator import open_emulator
 from jobsignal.sim.emulator.server import ExpireWatch, HttpError
@@ -56,6 +57,8 @@ JOBSIGNAL_FAMILIES = {
     "jobsignal_connections_closed_by_server": "counter",
     "jobsignal_streams_refused": "counter",
     "jobsignal_input_held": "counter",
+    "jobsignal_accept_pauses": "counter",
+    "jobsignal_loop_errors": "counter",
     "jobsignal_rpc_handler_errors": "counter",
     "jobsignal_rate_limited": "counter",
     "jobsignal_http_errors": "counter",
@@ -198,6 +201,8 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
     assert run.by("jobsignal_connections_closed_by_server_total", "reason") == {}
     assert run.value("jobsignal_streams_refused_total") == 0
     assert run.value("jobsignal_input_held_total") == 0
+    assert run.by("jobsignal_accept_pauses_total", "error") == dict.fromkeys(ACCEPT_ERRORS, 0)
+    assert run.value("jobsignal_loop_errors_total") == 0
     assert run.by("jobsignal_rpc_handler_errors_total", "rpc") == {}
     assert run.by("jobsignal_rate_limited_total", "rpc") == {"Register": 0, "Subscribe": 0}
     assert run.by("jobsignal_http_errors_total", "reason") == {
@@ -282,6 +287,8 @@ def sources_with(
         "connections_closed_by_server": Counter(),
         "streams_refused": 0,
         "input_held": 0,
+        "accept_pauses": Counter(),
+        "loop_errors": 0,
         "rpc_handler_errors": Counter(),
         "rate_limited": Counter(),
         "http_errors": Counter(),
@@ -340,6 +347,17 @@ def test_each_fanout_counter_is_exported() -> None:
     values = {s.value for s in jobsignal_samples(sources_with(fanout=stats))}
     assert {getattr(stats, name) for name in plain} <= values
     assert {3001, 3002, 3003} <= values
+
+
+def test_the_asyncio_loops_faults_are_exported() -> None:
+    sources = sources_with(
+        accept_pauses=Counter({"EMFILE": 4001, "ENOBUFS": 4002}), loop_errors=4003
+    )
+    samples = {(s.name, tuple(s.labels.items())): s.value for s in jobsignal_samples(sources)}
+    assert samples[("jobsignal_accept_pauses_total", (("error", "EMFILE"),))] == 4001
+    assert samples[("jobsignal_accept_pauses_total", (("error", "ENOBUFS"),))] == 4002
+    assert samples[("jobsignal_accept_pauses_total", (("error", "ENFILE"),))] == 0
+    assert samples[("jobsignal_loop_errors_total", ())] == 4003
 
 
 def test_registries_are_private_to_each_server() -> None:

@@ -79,6 +79,9 @@ INTERNAL = 13
 SHORTEST_DEADLINE = 0.001
 # Seconds a refused connection may take to send the request it is refused on.
 REFUSED_CONNECTION_LINGER = 5.0
+# Refused connections lingering at once: with --max-connections, they bound the
+# file descriptors the gRPC port holds (file_limit.py).
+MAX_LINGERING_REFUSALS = 64
 # Events after which a stream waiting for window may go on (a tuple: isinstance
 # with `A | B` builds the union anew on every event).
 WINDOW_OPENING_EVENTS = (WindowUpdated, RemoteSettingsChanged)
@@ -122,6 +125,9 @@ class ConnectionTable:
         # Connections the server closed on a peer's misbehaviour or silence, by reason.
         self.closed_by_server: Counter[str] = Counter()
         self.streams_refused = 0
+        # Refused connections waiting to answer their first request (at most
+        # MAX_LINGERING_REFUSALS; past that, refused ones are closed at once).
+        self.lingering_refusals = 0
         # Times a connection's input waited for its address's control-frame pacer.
         self.input_held = 0
 
@@ -272,9 +278,15 @@ class ObservedH2Protocol(H2Protocol):
         self.connection.flush()
         refusal = self._table.counter.refusal(ip)
         if refusal is not None:
-            # Answer the first request with a status the client can read, then go.
-            log.warning("refusing connection from %s: %s", described, refusal)
             self._table.counter.refused += 1
+            fault_log.warning("refused", "refusing connection from %s: %s", described, refusal)
+            if self._table.lingering_refusals >= MAX_LINGERING_REFUSALS:
+                # A flood past the limits: the refused must not hold descriptors
+                # without bound (the gRPC port would stop accepting: rpc.loop_faults).
+                self.abort()
+                return
+            # Answer the first request with a status the client can read, then go.
+            self._table.lingering_refusals += 1
             _grpclib.set_event_handler(
                 self.processor, RequestReceived, functools.partial(self._refuse_request, refusal)
             )
@@ -290,6 +302,8 @@ class ObservedH2Protocol(H2Protocol):
         self._table.add(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._linger is not None:  # a refused connection, lingering until now
+            self._table.lingering_refusals -= 1
         # Timers would keep this protocol alive.
         timers = (
             self._linger,

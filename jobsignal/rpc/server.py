@@ -33,6 +33,7 @@ from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.health import Health, service_name
 from jobsignal.rpc.keepalive import KeepalivePolicy
 from jobsignal.rpc.limits import Limits
+from jobsignal.rpc.loop_faults import LoopFaults
 from jobsignal.rpc.reflection import LazyReflection
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
@@ -88,6 +89,8 @@ class RunningServer:
     handler_errors: Counter[str]
     # Calls refused by the per-address rate limits, by RPC (read at scrape time).
     rate_limited: Callable[[], dict[str, int]]
+    # What the asyncio loop's exception handler caught: failed accepts, the unforeseen.
+    loop_faults: LoopFaults
 
 
 # Server keepalive is jobsignal's own, on trio's clock (rpc/keepalive.py): grpclib's
@@ -166,7 +169,9 @@ async def run_grpc_server(
     services: list[Any] = [service, health]
     services.append(LazyReflection(services))
     tls = ReloadingTls(settings.tls) if settings.tls is not None else None
+    loop_faults = LoopFaults()
     async with trio_asyncio.open_loop() as loop, trio.open_nursery() as nursery:
+        loop_faults.install(loop)
         if socket_readers.AVAILABLE:
             readers = socket_readers.SharedReaders(loop)
             readers.install()
@@ -216,6 +221,7 @@ async def run_grpc_server(
             trio.Event(),
             service.handler_errors,
             service.rate_limited,
+            loop_faults,
         )
         task_status.started(running)
         try:
