@@ -55,6 +55,8 @@ class MetricSources:
     streams_refused: Callable[[], int]
     input_held: Callable[[], int]
     accept_pauses: Callable[[], Mapping[str, int]]
+    tls_handshakes: Callable[[], int]
+    tls_handshakes_refused: Callable[[], int]
     loop_errors: Callable[[], int]
     rpc_handler_errors: Callable[[], Mapping[str, int]]
     rate_limited: Callable[[], Mapping[str, int]]
@@ -176,6 +178,18 @@ class JobsignalCollector(Collector):
             "error",
             sources.accept_pauses(),
             ACCEPT_ERRORS,
+        )
+        yield GaugeMetricFamily(
+            "jobsignal_tls_handshakes",
+            "TLS connections of the gRPC port still in their handshake (not yet counted"
+            " in jobsignal_connections).",
+            value=sources.tls_handshakes(),
+        )
+        yield CounterMetricFamily(
+            "jobsignal_tls_handshakes_refused_total",
+            "TLS connections closed as they came: 256 handshakes in progress, or 64 from"
+            " the same address, already.",
+            value=sources.tls_handshakes_refused(),
         )
         yield CounterMetricFamily(
             "jobsignal_loop_errors_total",

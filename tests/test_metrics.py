@@ -58,6 +58,8 @@ JOBSIGNAL_FAMILIES = {
     "jobsignal_streams_refused": "counter",
     "jobsignal_input_held": "counter",
     "jobsignal_accept_pauses": "counter",
+    "jobsignal_tls_handshakes": "gauge",
+    "jobsignal_tls_handshakes_refused": "counter",
     "jobsignal_loop_errors": "counter",
     "jobsignal_rpc_handler_errors": "counter",
     "jobsignal_rate_limited": "counter",
@@ -203,6 +205,8 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
     assert run.value("jobsignal_input_held_total") == 0
     assert run.by("jobsignal_accept_pauses_total", "error") == dict.fromkeys(ACCEPT_ERRORS, 0)
     assert run.value("jobsignal_loop_errors_total") == 0
+    assert run.value("jobsignal_tls_handshakes") == 0
+    assert run.value("jobsignal_tls_handshakes_refused_total") == 0
     assert run.by("jobsignal_rpc_handler_errors_total", "rpc") == {}
     assert run.by("jobsignal_rate_limited_total", "rpc") == {"Register": 0, "Subscribe": 0}
     assert run.by("jobsignal_http_errors_total", "reason") == {
@@ -288,6 +292,8 @@ def sources_with(
         "streams_refused": 0,
         "input_held": 0,
         "accept_pauses": Counter(),
+        "tls_handshakes": 0,
+        "tls_handshakes_refused": 0,
         "loop_errors": 0,
         "rpc_handler_errors": Counter(),
         "rate_limited": Counter(),
@@ -349,15 +355,20 @@ def test_each_fanout_counter_is_exported() -> None:
     assert {3001, 3002, 3003} <= values
 
 
-def test_the_asyncio_loops_faults_are_exported() -> None:
+def test_the_asyncio_loops_faults_and_tls_handshakes_are_exported() -> None:
     sources = sources_with(
-        accept_pauses=Counter({"EMFILE": 4001, "ENOBUFS": 4002}), loop_errors=4003
+        accept_pauses=Counter({"EMFILE": 4001, "ENOBUFS": 4002}),
+        loop_errors=4003,
+        tls_handshakes=4004,
+        tls_handshakes_refused=4005,
     )
     samples = {(s.name, tuple(s.labels.items())): s.value for s in jobsignal_samples(sources)}
     assert samples[("jobsignal_accept_pauses_total", (("error", "EMFILE"),))] == 4001
     assert samples[("jobsignal_accept_pauses_total", (("error", "ENOBUFS"),))] == 4002
     assert samples[("jobsignal_accept_pauses_total", (("error", "ENFILE"),))] == 0
     assert samples[("jobsignal_loop_errors_total", ())] == 4003
+    assert samples[("jobsignal_tls_handshakes", ())] == 4004
+    assert samples[("jobsignal_tls_handshakes_refused_total", ())] == 4005
 
 
 def test_registries_are_private_to_each_server() -> None:

@@ -98,17 +98,20 @@ async def start_server(
     addresses: Sequence[tuple[str, int]],
     *,
     backlog: int,
-    ssl: Any,
-    ssl_handshake_timeout: float | None,
+    wrap: Callable[[H2Protocol], asyncio.BaseProtocol] | None = None,
 ) -> list[asyncio.Server]:
-    """`Server.start` on each address, plus what it does not pass on: a TLS handshake
-    timeout. Host "" means every address of the host (IPv4 and IPv6 where it has both).
+    """`Server.start` on each address, with a backlog, and each connection's protocol
+    passed through `wrap` (TLS: rpc/tls_connections.py) if given. Host "" means every
+    address of the host (IPv4 and IPv6 where it has both).
 
-    asyncio calls the protocol's `connection_made` only once TLS is set up, so
-    a peer that never finishes the TLS handshake is bounded here, not there.
     grpclib knows the first listener only; the caller closes the others.
     """
     loop = asyncio.get_running_loop()
+
+    def protocol_factory() -> asyncio.BaseProtocol:
+        protocol: H2Protocol = server._protocol_factory()
+        return protocol if wrap is None else wrap(protocol)
+
     listeners: list[asyncio.Server] = []
     for host, port in addresses:
         family = (
@@ -116,13 +119,11 @@ async def start_server(
         )
         try:
             listener = await loop.create_server(
-                server._protocol_factory,
+                protocol_factory,
                 host or None,
                 port,
                 family=family,
                 backlog=backlog,
-                ssl=ssl,
-                ssl_handshake_timeout=ssl_handshake_timeout if ssl is not None else None,
                 reuse_address=True,
             )
         except OSError as error:

@@ -57,6 +57,7 @@ from jobsignal.rpc.guard import AddressBudgets, ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.keepalive import KeepalivePolicy, Liveness, PeerLiveness
 from jobsignal.rpc.limits import ConnectionCounter, Limits
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
+from jobsignal.rpc.tls_connections import TlsHandshakes
 from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class ConnectionTable:
         # Connections the server closed on a peer's misbehaviour or silence, by reason.
         self.closed_by_server: Counter[str] = Counter()
         self.streams_refused = 0
+        # TLS connections still in their handshake (not yet counted above).
+        self.tls_handshakes = TlsHandshakes()
         # Refused connections waiting to answer their first request (at most
         # MAX_LINGERING_REFUSALS; past that, refused ones are closed at once).
         self.lingering_refusals = 0

@@ -39,6 +39,7 @@ from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
 from jobsignal.rpc.session import Sessions, SessionSettings
 from jobsignal.rpc.tls import ReloadingTls, TlsFiles
+from jobsignal.rpc.tls_connections import TlsServing
 from jobsignal.status import SourceStatus
 
 log = logging.getLogger(__name__)
@@ -190,9 +191,14 @@ async def run_grpc_server(
             server,
             [(settings.host, settings.port), *settings.more_addresses],
             backlog=settings.backlog,
-            ssl=tls.listening_context if tls is not None else None,
-            # Peers that never finish the TLS handshake hold a connection too.
-            ssl_handshake_timeout=settings.protocol_limits.handshake_timeout,
+            wrap=None
+            if tls is None
+            else TlsServing(
+                tls.listening_context,
+                # Peers that never finish the TLS handshake hold a connection too.
+                settings.protocol_limits.handshake_timeout,
+                connections.tls_handshakes,
+            ).wrap,
         )
         addresses = [
             (str(name[0]), int(name[1]))
