@@ -110,6 +110,18 @@ GRPCLIB_CONFIG = Configuration(
 SOURCE_HEALTH_NAME = "jobsignal.KubernetesSync"
 
 
+def tls_serving(
+    tls: ReloadingTls, settings: ServerSettings, connections: ConnectionTable
+) -> TlsServing:
+    """TLS for each connection, its handshake bounded in time and in number."""
+    return TlsServing(
+        tls.listening_context,
+        # Peers that never finish the TLS handshake hold a connection too.
+        settings.protocol_limits.handshake_timeout,
+        connections.tls_handshakes,
+    )
+
+
 async def _track_health(
     status: SourceStatus, ready: ServiceStatus, synced: ServiceStatus, draining: trio.Event
 ) -> None:
@@ -191,14 +203,7 @@ async def run_grpc_server(
             server,
             [(settings.host, settings.port), *settings.more_addresses],
             backlog=settings.backlog,
-            wrap=None
-            if tls is None
-            else TlsServing(
-                tls.listening_context,
-                # Peers that never finish the TLS handshake hold a connection too.
-                settings.protocol_limits.handshake_timeout,
-                connections.tls_handshakes,
-            ).wrap,
+            wrap=None if tls is None else tls_serving(tls, settings, connections).wrap,
         )
         addresses = [
             (str(name[0]), int(name[1]))

@@ -37,8 +37,8 @@ from jobsignal.rpc.limits import ConnectionCounter
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)
 
-# Bytes read from the socket at once: one TLS record's plaintext (16 KiB) is the
-# most a single record decrypts to.
+# Bytes read from the socket at once (and decrypted at once): about one TLS
+# record, which carries at most 16 KiB of data.
 TLS_READ_BUFFER = 16 * 1024
 # Handshakes in progress at once, in total and from one address. A handshake
 # waits on the peer, not on the server's CPU, so these bound what silent
