@@ -210,7 +210,7 @@ def metric_sources(
         streams_refused=lambda: server.connections.streams_refused,
         input_held=lambda: server.connections.input_held,
         accept_pauses=lambda: server.loop_faults.accept_pauses,
-        tls_handshakes=lambda: server.connections.tls_handshakes.in_progress,
+        tls_handshakes=lambda: server.connections.tls_handshakes.total,
         tls_handshakes_refused=lambda: server.connections.tls_handshakes.refused,
         loop_errors=lambda: server.loop_faults.unexpected,
         rpc_handler_errors=lambda: server.handler_errors,

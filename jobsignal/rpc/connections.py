@@ -55,9 +55,9 @@ from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.guard import AddressBudgets, ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.keepalive import KeepalivePolicy, Liveness, PeerLiveness
-from jobsignal.rpc.limits import ConnectionCounter, Limits
+from jobsignal.rpc.limits import ConnectionCounter, Limits, peer_ip
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
-from jobsignal.rpc.tls_connections import TlsHandshakes
+from jobsignal.rpc.tls_connections import tls_handshake_counter
 from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class ConnectionTable:
         self.closed_by_server: Counter[str] = Counter()
         self.streams_refused = 0
         # TLS connections still in their handshake (not yet counted above).
-        self.tls_handshakes = TlsHandshakes()
+        self.tls_handshakes = tls_handshake_counter()
         # Refused connections waiting to answer their first request (at most
         # MAX_LINGERING_REFUSALS; past that, refused ones are closed at once).
         self.lingering_refusals = 0
@@ -248,7 +248,7 @@ class ObservedH2Protocol(H2Protocol):
             self.abort()
             return
         peer = transport.get_extra_info("peername")
-        ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        ip = peer_ip(peer)
         described = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.activity = ConnectionActivity(self._table.ping_policy, described, ip)
         self.output = ConnectionOutput(

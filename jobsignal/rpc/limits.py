@@ -61,12 +61,19 @@ class RateLimiter:
         return len(self._buckets)
 
 
-class ConnectionCounter:
-    """Open connections in total and per client address, against a limit for each."""
+def peer_ip(peername: object) -> str:
+    """The client address in a transport's "peername", the key of the per-address limits."""
+    return str(peername[0]) if isinstance(peername, tuple) else str(peername)
 
-    def __init__(self, max_total: int, max_per_ip: int) -> None:
+
+class ConnectionCounter:
+    """Open connections (or `what` it counts) in total and per client address, against
+    a limit for each."""
+
+    def __init__(self, max_total: int, max_per_ip: int, what: str = "connections") -> None:
         self.max_total = max_total
         self.max_per_ip = max_per_ip
+        self.what = what
         self.total = 0
         self.per_ip: Counter[str] = Counter()
         self.refused = 0
@@ -74,9 +81,9 @@ class ConnectionCounter:
     def refusal(self, ip: str) -> str | None:
         """Why a new connection from `ip` must be refused, or None to accept it."""
         if self.total >= self.max_total:
-            return f"too many connections to this server (limit {self.max_total})"
+            return f"too many {self.what} to this server (limit {self.max_total})"
         if self.per_ip[ip] >= self.max_per_ip:
-            return f"too many connections from {ip} (limit {self.max_per_ip} per address)"
+            return f"too many {self.what} from {ip} (limit {self.max_per_ip} per address)"
         return None
 
     def opened(self, ip: str) -> None:

@@ -12,8 +12,8 @@ gRPC request is a few hundred bytes and the server handles at most
 `LeanTlsProtocol` reads through 16 KiB, one TLS record.
 
 asyncio hands a TLS connection to the HTTP/2 protocol, where the connection
-limits count it, only once its handshake is done. `TlsHandshakes` counts the
-handshakes in progress, in total and per client address, and a connection
+limits count it, only once its handshake is done. `tls_handshake_counter`
+counts the handshakes in progress, in total and per client address, and a connection
 past either bound is closed as it is accepted (docs/architecture.md section
 7, "File descriptors").
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobsignal.logs import RateLimitedLog
-from jobsignal.rpc.limits import ConnectionCounter
+from jobsignal.rpc.limits import ConnectionCounter, peer_ip
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)
@@ -47,18 +47,12 @@ MAX_TLS_HANDSHAKES = 256
 MAX_TLS_HANDSHAKES_PER_IP = 64
 
 
-class TlsHandshakes:
-    """TLS handshakes in progress on one server, against their bounds."""
-
-    def __init__(
-        self, total: int = MAX_TLS_HANDSHAKES, per_ip: int = MAX_TLS_HANDSHAKES_PER_IP
-    ) -> None:
-        self.counter = ConnectionCounter(total, per_ip)
-        self.refused = 0  # connections closed because too many handshakes were in progress
-
-    @property
-    def in_progress(self) -> int:
-        return self.counter.total
+def tls_handshake_counter() -> ConnectionCounter:
+    """Handshakes in progress on one server (`total`), and connections closed because
+    too many were (`refused`)."""
+    return ConnectionCounter(
+        MAX_TLS_HANDSHAKES, MAX_TLS_HANDSHAKES_PER_IP, what="TLS handshakes in progress"
+    )
 
 
 # What SSLProtocol is made with once a connection is admitted: loop, protocol within,
@@ -83,7 +77,7 @@ class LeanTlsProtocol(sslproto.SSLProtocol):
         loop: asyncio.AbstractEventLoop,
         app_protocol: asyncio.BaseProtocol,
         context: ssl.SSLContext,
-        handshakes: TlsHandshakes,
+        handshakes: ConnectionCounter,
         handshake_timeout: float,
     ) -> None:
         self._pending_setup: _Setup | None = (
@@ -99,16 +93,15 @@ class LeanTlsProtocol(sslproto.SSLProtocol):
         assert self._pending_setup is not None
         loop, app_protocol, context, handshake_timeout = self._pending_setup
         self._pending_setup = None
-        peer = transport.get_extra_info("peername")
-        ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        refusal = self._handshakes.counter.refusal(ip)
+        ip = peer_ip(transport.get_extra_info("peername"))
+        refusal = self._handshakes.refusal(ip)
         if refusal is not None:
             self._handshakes.refused += 1
             fault_log.warning(
                 "tls_handshakes",
                 "closing TLS connection from %s before its handshake: %s",
                 ip,
-                refusal.replace("connections", "TLS handshakes in progress"),
+                refusal,
             )
             transport.abort()
             return
@@ -122,7 +115,7 @@ class LeanTlsProtocol(sslproto.SSLProtocol):
             server_side=True,
             ssl_handshake_timeout=handshake_timeout,  # type: ignore[arg-type]
         )
-        self._handshakes.counter.opened(ip)
+        self._handshakes.opened(ip)
         self._handshaking_ip = ip
         super().connection_made(transport)
 
@@ -138,7 +131,7 @@ class LeanTlsProtocol(sslproto.SSLProtocol):
 
     def _handshake_over(self) -> None:
         if self._handshaking_ip is not None:
-            self._handshakes.counter.closed(self._handshaking_ip)
+            self._handshakes.closed(self._handshaking_ip)
             self._handshaking_ip = None
 
 
@@ -148,7 +141,7 @@ class TlsServing:
 
     context: ssl.SSLContext
     handshake_timeout: float
-    handshakes: TlsHandshakes
+    handshakes: ConnectionCounter
 
     def wrap(self, app_protocol: asyncio.BaseProtocol) -> LeanTlsProtocol:
         return LeanTlsProtocol(

@@ -65,6 +65,15 @@ async def assert_delivers(server: ServerHarness, healthy: RawPeer, index: int) -
     assert last.job_name == f"train-{index}"
 
 
+async def read_to_end(stream: trio.SocketStream, closed: list[int], index: int) -> None:
+    """Read until the server closes `stream`, then note `index` in `closed`."""
+    async with stream:
+        with contextlib.suppress(trio.BrokenResourceError):
+            while await stream.receive_some(65536):
+                pass
+    closed.append(index)
+
+
 def lines_of(caplog: pytest.LogCaptureFixture, logger: str, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == level]
 
@@ -128,14 +137,6 @@ async def test_refused_connections_past_the_cap_are_closed_at_once(
     cap = MAX_LINGERING_REFUSALS
     settings = local_settings(limits=Limits(max_connections=1, max_connections_per_ip=1))
     closed: list[int] = []
-
-    async def read_to_end(index: int, stream: trio.SocketStream) -> None:
-        async with stream:
-            with contextlib.suppress(trio.BrokenResourceError):
-                while await stream.receive_some(65536):
-                    pass
-        closed.append(index)
-
     async with (
         open_jobsignal_server(settings) as server,
         healthy_subscriber(server),
@@ -143,7 +144,7 @@ async def test_refused_connections_past_the_cap_are_closed_at_once(
     ):
         for index in range(cap + 10):
             stream = await trio.open_tcp_stream("127.0.0.1", server.port)
-            nursery.start_soon(read_to_end, index, stream)
+            nursery.start_soon(read_to_end, stream, closed, index)
         await wait_until(lambda: server.connections.counter.refused == cap + 10)
         assert server.connections.lingering_refusals == cap
         # The ten past the cap were closed unanswered; the others wait for a request.
