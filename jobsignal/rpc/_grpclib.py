@@ -71,7 +71,7 @@ from h2.settings import ChangedSetting, SettingCodes, Settings
 from h2.stream import H2Stream, StreamInputs, StreamState
 
 from jobsignal.config import cannot_listen
-from jobsignal.rpc.codec import PassthroughCodec, truncated_request
+from jobsignal.rpc.codec import MESSAGE_PREFIX, PassthroughCodec, truncated_request
 from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
 PINNED_GRPCLIB = "0.4.9"
@@ -342,24 +342,38 @@ class _CheckedStream(ProtocolStream):
     a stream ending part-way escape as NotImplementedError or AssertionError
     (UNKNOWN to the client, an ERROR in the log). Here the codec checks each
     prefix before its body is read (`PassthroughCodec.check_prefix`), and a
-    stream ending mid-message is INVALID_ARGUMENT.
+    stream ending mid-message is INVALID_ARGUMENT. A compressed message is
+    read and inflated when its prefix is asked for, and grpclib is given the
+    prefix of the inflated message, then the message: it never sees the flag.
     """
 
     request_codec: PassthroughCodec
+    request_encoding: str | None = None  # the request's grpc-encoding header
     body_next = False  # the prefix of a message was read, its body is next
+    inflated: bytes | None = None  # a compressed message, inflated: the body to give next
 
     async def recv_data(self, size: int) -> bytes:
+        if self.inflated is not None:
+            body, self.inflated = self.inflated, None
+            return body
         if self.body_next:
             self.body_next = False
-            body = await self._read(size)
-            if len(body) < size:  # the stream ended before the body
-                raise truncated_request()
-            return body
+            return await self._read_body(size)
         prefix = await self._read(size)
-        if prefix:  # (empty: the stream ended between messages)
-            self.request_codec.check_prefix(prefix)
+        if not prefix:  # the stream ended between messages
+            return prefix
+        encoding, length = self.request_codec.check_prefix(prefix, self.request_encoding)
+        if encoding is None:
             self.body_next = True
-        return prefix
+            return prefix
+        self.inflated = self.request_codec.decompress(await self._read_body(length), encoding)
+        return MESSAGE_PREFIX.pack(False, len(self.inflated))
+
+    async def _read_body(self, size: int) -> bytes:
+        body = await self._read(size)
+        if len(body) < size:  # the stream ended before the body
+            raise truncated_request()
+        return body
 
     async def _read(self, size: int) -> bytes:
         """grpclib's read: `size` bytes, none when the stream ended before them, and
@@ -371,11 +385,15 @@ class _CheckedStream(ProtocolStream):
         return data
 
 
-def check_reads(stream: ProtocolStream, codec: PassthroughCodec) -> None:
-    """Make a new grpclib stream a `_CheckedStream` reading for `codec` (the same
-    object, the same layout: only the class changes, and an attribute is added)."""
+def check_reads(stream: ProtocolStream, codec: PassthroughCodec, encoding: str | None) -> None:
+    """Make a new grpclib stream a `_CheckedStream` reading for `codec` a request sent
+    with `encoding` (its grpc-encoding header). The same object, the same layout:
+    only the class changes, and attributes are added."""
     stream.__class__ = _CheckedStream
-    cast(_CheckedStream, stream).request_codec = codec
+    checked = cast(_CheckedStream, stream)
+    checked.request_codec = codec
+    if encoding is not None:
+        checked.request_encoding = encoding
 
 
 def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) -> None:
@@ -731,6 +749,14 @@ def grpc_timeout(headers: Sequence[Any]) -> float | None:
         return None
 
 
+def request_encoding(headers: Sequence[Any]) -> str | None:
+    """The grpc-encoding a request's headers (str pairs) name for its messages, if any."""
+    for name, value in headers:
+        if name == "grpc-encoding":
+            return str(value)
+    return None
+
+
 def accept_request(processor: EventsProcessor, event: RequestReceived) -> None:
     """Start grpclib's handler for a new request, with its stream released however it ends.
 
@@ -742,7 +768,7 @@ def accept_request(processor: EventsProcessor, event: RequestReceived) -> None:
     stream = processor.connection.create_stream(stream_id=event.stream_id)
     lighten_stream(stream)
     handler: Any = processor.handler  # grpclib's server Handler
-    check_reads(stream, handler.codec)
+    check_reads(stream, handler.codec, request_encoding(event.headers))
     release = _ReleaseOnce(processor.register(stream), handler, stream)
     handler.accept(stream, event.headers, release)
     task: asyncio.Task[None] | None = getattr(handler, "_tasks", {}).get(stream)

@@ -4,7 +4,8 @@ Job events are encoded once by the broadcaster and handed to grpclib as bytes
 (docs/architecture.md section 6, "Fan-out and slow clients"); Register
 replies and health messages are betterproto2 objects, reflection's protobuf
 ones. Request decoding failures become
-INVALID_ARGUMENT here, at the boundary, instead of a generic UNKNOWN.
+INVALID_ARGUMENT here, at the boundary, instead of a generic UNKNOWN, and
+compressed requests are inflated here (`rpc.compression`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import betterproto2
 from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError
+
+from jobsignal.rpc import compression
 
 # The 5-byte prefix of every gRPC message: a compressed flag and the length.
 MESSAGE_PREFIX = struct.Struct(">?I")
@@ -45,13 +48,18 @@ class PassthroughCodec(CodecBase):
                 f"request of {size} bytes exceeds the limit of {self.max_request_bytes}",
             )
 
-    def check_prefix(self, prefix: bytes) -> None:
-        """UNIMPLEMENTED for a compressed request (none is negotiated), RESOURCE_EXHAUSTED
-        for a length above the limit: checked before the body is read."""
+    def check_prefix(self, prefix: bytes, encoding: str | None) -> tuple[str | None, int]:
+        """What a message's 5-byte prefix announces, checked before its body is read:
+        the encoding it is compressed with (None: not compressed; `compression.
+        check_encoding` refuses one the request's `encoding` header cannot
+        give), and its length (RESOURCE_EXHAUSTED above the limit)."""
         compressed, length = MESSAGE_PREFIX.unpack(prefix)
-        if compressed:
-            raise GRPCError(Status.UNIMPLEMENTED, "compressed requests are not supported")
         self.check_request_size(length)
+        return (compression.check_encoding(encoding) if compressed else None), length
+
+    def decompress(self, data: bytes, encoding: str) -> bytes:
+        """A compressed message's body, inflated within the request size limit."""
+        return compression.decompress(data, encoding, self.max_request_bytes)
 
     def decode(self, data: bytes, message_type: Any) -> Any:
         self.check_request_size(len(data))

@@ -81,6 +81,22 @@ async def test_register_and_signal_stream_with_default_settings(go_peer: Path) -
     assert_no_goaway(registered, peer)
 
 
+async def test_a_client_compressing_its_requests_with_gzip_is_served(go_peer: Path) -> None:
+    """`grpc.UseCompressor(gzip.Name)` compresses every message a client sends, however
+    small; the server inflates them (it answered UNIMPLEMENTED before)."""
+    jobs = [make_job(1), make_job(2, npus=BIG_NPUS)]
+    async with open_jobsignal_server() as server:
+        async with running(go(go_peer, "subscribe", server.target, count=2, gzip=True)) as peer:
+            await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+            server.broadcaster.publish(jobs)
+            await peer.wait_exit()
+        uuids = uuids_of(server)
+    assert peer.of("registered")[0]["code"] == 200, peer.describe()
+    assert_signals(peer, jobs, uuids)
+    (wire,) = peer.of("wire")
+    assert wire["compressedData"] == 2, wire  # the Register and the subscription
+
+
 @pytest.mark.parametrize(
     "windows",
     [{}, {"window": 1 << 20, "conn_window": 4 << 20}],

@@ -61,6 +61,22 @@ async def test_subscribe_receives_events_up_to_4_mib(js_peer: list[str]) -> None
     assert_no_goaway(peer)
 
 
+async def test_a_client_compressing_its_requests_with_gzip_is_served(js_peer: list[str]) -> None:
+    """`grpc.default_compression_algorithm` gzip compresses every message a client
+    sends; the server inflates them (it answered UNIMPLEMENTED before)."""
+    jobs = [make_job(1), make_job(2, npus=BIG_NPUS)]
+    async with open_jobsignal_server() as server:
+        async with running(js(js_peer, "subscribe", server.target, count=2, gzip=True)) as peer:
+            await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=10)
+            server.broadcaster.publish(jobs)
+            await peer.wait_exit(20)
+        uuids = uuids_of(server)
+    assert peer.of("registered")[0]["code"] == 200, peer.describe()
+    assert_signals(peer, jobs, uuids)
+    (wire,) = peer.of("wire")
+    assert wire["compressedData"] == 2, wire  # the Register and the subscription
+
+
 async def test_list_stream_starts_with_the_snapshot(js_peer: list[str]) -> None:
     jobs = [make_job(i) for i in range(3)]
     async with open_jobsignal_server() as server:

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 import grpc
+import pytest
 import trio
 import trio.testing
 
@@ -63,6 +64,18 @@ async def test_register_hands_out_a_fresh_uuid_per_call(grpc_clients: GrpcioClie
         assert reply.clientId != "chosen-by-client"
         assert_uuid4(reply.clientId)
     assert len({reply.clientId for reply in replies}) == len(ROLES)
+
+
+@pytest.mark.parametrize("algorithm", [grpc.Compression.Gzip, grpc.Compression.Deflate])
+async def test_a_channel_compressing_its_requests_is_served(
+    grpc_clients: GrpcioClients, algorithm: grpc.Compression
+) -> None:
+    """grpcio compresses a message when that makes it smaller: a clientId of 120
+    repeated characters is (it got UNIMPLEMENTED before the server inflated them)."""
+    async with open_jobsignal_server() as server:
+        client = grpc_clients.connect(server.target, default_compression_algorithm=algorithm)
+        reply = await in_thread(client.register, "FdAgent", "a" * 120)
+        assert (reply.code, len(server.registry)) == (200, 1)
 
 
 async def test_register_with_unknown_role_is_invalid_argument(

@@ -12,7 +12,10 @@
 //	{"event":"ping"}                                     each PING the client sent (plain text only)
 //	{"event":"goaway","code":11,"debug":"too_many_pings"} seen on the wire (plain text only)
 //	{"event":"end","rpc":"...","code":14,"codeName":"Unavailable","message":"..."}
-//	{"event":"wire","sent":{"PING":3},"received":{...}}  HTTP/2 frame counts (plain text only)
+//	{"event":"wire","sent":{"PING":3},"received":{...},"compressedData":2}
+//	                                                     HTTP/2 frame counts, and the DATA frames
+//	                                                     sent that begin with a compressed
+//	                                                     message's flag (plain text only)
 //
 // Usage: jobsignal-go-peer COMMAND [flags], COMMAND one of register,
 // subscribe, subscribe-list. With no flags the client uses grpc-go's defaults
@@ -37,6 +40,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/encoding/gzip"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -117,6 +121,8 @@ func (c *frameCounter) feed(data []byte) {
 			n := min(int(c.left), len(data))
 			if c.kind == 7 {
 				c.payload = append(c.payload, data[:n]...)
+			} else if c.kind == 0 && len(c.payload) == 0 {
+				c.payload = append(c.payload, data[0]) // a DATA frame's first byte
 			}
 			c.left -= uint32(n)
 			data = data[n:]
@@ -193,6 +199,9 @@ func (c *countingConn) Write(b []byte) (int, error) {
 var (
 	connsLock sync.Mutex
 	conns     []*countingConn
+	// DATA frames sent whose first byte is a gRPC message's compressed flag set
+	// (this client's requests are small: one frame each, unpadded).
+	compressedData int64
 )
 
 func countingDialer(ctx context.Context, address string) (net.Conn, error) {
@@ -211,6 +220,9 @@ func countingDialer(ctx context.Context, address string) (net.Conn, error) {
 	onSent := func(kind byte, flags byte, payload []byte) {
 		if kind == 6 && flags&1 == 0 { // a PING of ours, not an ACK
 			emit("ping", map[string]interface{}{})
+		}
+		if kind == 0 && len(payload) > 0 && payload[0] == 1 {
+			atomic.AddInt64(&compressedData, 1)
 		}
 	}
 	conn := &countingConn{
@@ -239,6 +251,7 @@ func emitWire() {
 	}
 	emit("wire", map[string]interface{}{
 		"connections": len(conns), "sent": sent, "received": received,
+		"compressedData": atomic.LoadInt64(&compressedData),
 	})
 }
 
@@ -250,6 +263,7 @@ type options struct {
 	permitWithoutStream                        bool
 	window, connWindow, maxRecv, count         int
 	tlsCA, tlsCert, tlsKey, serverName         string
+	compress                                   bool
 }
 
 func parse(command string, args []string) options {
@@ -272,6 +286,7 @@ func parse(command string, args []string) options {
 	flags.StringVar(&o.tlsCert, "tls-cert", "", "PEM client certificate (mutual TLS)")
 	flags.StringVar(&o.tlsKey, "tls-key", "", "PEM key of -tls-cert")
 	flags.StringVar(&o.serverName, "server-name", "", "TLS server name override")
+	flags.BoolVar(&o.compress, "gzip", false, "compress every request message with gzip")
 	flags.Parse(args)
 	if o.subscribeRole == "" {
 		o.subscribeRole = o.role
@@ -315,6 +330,9 @@ func dialOptions(o options) ([]grpc.DialOption, error) {
 	}
 	if o.maxRecv > 0 {
 		dial = append(dial, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(o.maxRecv)))
+	}
+	if o.compress {
+		dial = append(dial, grpc.WithDefaultCallOptions(grpc.UseCompressor(gzip.Name)))
 	}
 	return dial, nil
 }

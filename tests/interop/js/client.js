@@ -8,7 +8,7 @@
 //
 // Usage: node client.js register|subscribe|subscribe-list --target HOST:PORT
 //   [--role R] [--count N] [--keepalive-ms MS] [--permit-without-calls]
-//   [--hold-ms MS] [--timeout-ms MS]
+//   [--hold-ms MS] [--timeout-ms MS] [--gzip]
 // With no options the client uses grpc-js's defaults.
 
 const crypto = require('crypto');
@@ -61,6 +61,9 @@ function frameCounter(skip, onFrame) {
 }
 
 const relayed = [];
+// DATA frames sent whose first byte is a gRPC message's compressed flag set
+// (this client's requests are small: one frame each, unpadded).
+let compressedData = 0;
 
 function startRelay(host, port) {
   const sockets = new Set();
@@ -68,8 +71,9 @@ function startRelay(host, port) {
     const upstream = net.connect(port, host);
     sockets.add(downstream);
     sockets.add(upstream);
-    const sent = frameCounter(24, (type, flags) => { // after the client preface
+    const sent = frameCounter(24, (type, flags, payload) => { // after the client preface
       if (type === 6 && (flags & 1) === 0) emit('ping');
+      if (type === 0 && payload.length > 0 && payload[0] === 1) compressedData += 1;
     });
     const received = frameCounter(0, (type, flags, payload) => {
       if (type === 7 && payload.length >= 8) {
@@ -105,7 +109,7 @@ function emitWire() {
       }
     }
   }
-  emit('wire', { connections: relayed.length, ...total });
+  emit('wire', { connections: relayed.length, ...total, compressedData });
 }
 
 // -- the client --------------------------------------------------------------------
@@ -138,6 +142,7 @@ async function main() {
       'permit-without-calls': { type: 'boolean', default: false },
       'hold-ms': { type: 'string', default: '0' },
       'timeout-ms': { type: 'string', default: '60000' },
+      gzip: { type: 'boolean', default: false },
     },
   });
   if (!['register', 'subscribe', 'subscribe-list'].includes(command)) {
@@ -158,6 +163,7 @@ async function main() {
     options['grpc.keepalive_timeout_ms'] = 20000;
     options['grpc.keepalive_permit_without_calls'] = o['permit-without-calls'] ? 1 : 0;
   }
+  if (o.gzip) options['grpc.default_compression_algorithm'] = 2; // gzip: every request message
   const client = new Job(`127.0.0.1:${relay.port}`, grpc.credentials.createInsecure(), options);
   watchState(client.getChannel());
   const deadline = Date.now() + Number(o['timeout-ms']);
