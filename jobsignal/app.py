@@ -209,7 +209,10 @@ def metric_sources(
         connections_closed_by_server=lambda: server.connections.closed_by_server,
         streams_refused=lambda: server.connections.streams_refused,
         input_held=lambda: server.connections.input_held,
-        accept_pauses=lambda: server.loop_faults.accept_pauses,
+        accept_pauses=lambda: {
+            "grpc": server.loop_faults.accept_pauses,
+            "metrics": http_stats.accept_pauses,
+        },
         tls_handshakes=lambda: server.connections.tls_handshakes.total,
         tls_handshakes_refused=lambda: server.connections.tls_handshakes.refused,
         loop_errors=lambda: server.loop_faults.unexpected,

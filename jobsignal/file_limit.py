@@ -9,10 +9,24 @@ far higher hard limit; Go programs raise the soft limit to the hard one as they 
 accepting fails and the port stops accepting for a second at a time
 (`rpc.loop_faults`), so `run_jobsignal` warns at start when the limit is
 lower than the connection limits need (`shortfall`; docs/architecture.md
-section 7, "File descriptors").
+section 7, "File descriptors"). It also names the errors `accept()` fails
+with past a limit, which both ports answer by pausing.
 """
 
 from __future__ import annotations
+
+import errno
+
+# The errors accept() fails with for want of descriptors or memory: a port pauses
+# accepting and tries again (any other error is a bug, not a condition).
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_ERRORS = tuple(sorted(errno.errorcode[number] for number in ACCEPT_CAPACITY_ERRNOS))
+WHY_ACCEPT_FAILED = {
+    "EMFILE": "the process has as many files open as it may (ulimit -n)",
+    "ENFILE": "the system has as many files open as it may (fs.file-max)",
+    "ENOBUFS": "the kernel is out of socket buffers",
+    "ENOMEM": "the kernel is out of memory",
+}
 
 # Descriptors besides the connections: listeners, the event loop's own, the
 # Kubernetes API's connections, files read while serving, standard streams.

@@ -127,8 +127,9 @@ class TextFormatter(logging.Formatter):
 
 
 # Other libraries' loggers that a peer can make write over and over: grpclib
-# (every failed stream, with a traceback) and trio's accept loop of the metrics
-# port (a line with a traceback every 0.1 s while the process is out of files).
+# (every failed stream, with a traceback) and trio's accept loop, which the demo
+# cluster's emulator uses (a line with a traceback every 0.1 s while the process
+# is out of files; the ports have loops of their own that pause and warn).
 RATE_LIMITED_LOGGERS = ("grpclib", "trio.serve_listeners")
 
 

@@ -31,8 +31,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from jobsignal.fanout.stats import FanoutStats
+from jobsignal.file_limit import ACCEPT_ERRORS
 from jobsignal.metrics_server import HTTP_ERROR_REASONS
-from jobsignal.rpc.loop_faults import ACCEPT_ERRORS
 from jobsignal.store.configmap import REASONS as CONFIGMAP_REJECTION_REASONS
 from jobsignal.version import __version__
 
@@ -54,7 +54,7 @@ class MetricSources:
     connections_closed_by_server: Callable[[], Mapping[str, int]]
     streams_refused: Callable[[], int]
     input_held: Callable[[], int]
-    accept_pauses: Callable[[], Mapping[str, int]]
+    accept_pauses: Callable[[], Mapping[str, Mapping[str, int]]]  # by port, then errno
     tls_handshakes: Callable[[], int]
     tls_handshakes_refused: Callable[[], int]
     loop_errors: Callable[[], int]
@@ -170,15 +170,17 @@ class JobsignalCollector(Collector):
             " beyond --max-control-frames-per-second-per-ip.",
             value=sources.input_held(),
         )
-        yield _counter(
+        accept_pauses = CounterMetricFamily(
             "jobsignal_accept_pauses_total",
-            "Times the gRPC port stopped accepting for a second because accept() failed,"
-            " by error (EMFILE: the process's file limit, ENFILE: the system's, ENOBUFS and"
-            " ENOMEM: kernel memory).",
-            "error",
-            sources.accept_pauses(),
-            ACCEPT_ERRORS,
+            "Times a port (grpc, metrics) stopped accepting for a second because accept()"
+            " failed, by error (EMFILE: the process's file limit, ENFILE: the system's,"
+            " ENOBUFS and ENOMEM: kernel memory).",
+            labels=["port", "error"],
         )
+        for port, pauses in sorted(sources.accept_pauses().items()):
+            for error in sorted({*ACCEPT_ERRORS, *pauses}):
+                accept_pauses.add_metric([port, error], pauses.get(error, 0))
+        yield accept_pauses
         yield GaugeMetricFamily(
             "jobsignal_tls_handshakes",
             "TLS connections of the gRPC port still in their handshake (not yet counted"

@@ -14,7 +14,11 @@ Each connection is a fault boundary: a request h11 cannot parse gets 400 (or
 unexpected exception while handling one connection ends that connection only
 (with 500 when a response can still be sent). Each such ending is counted in
 `HttpStats.errors` (the `jobsignal_http_errors_total` metric) and logged at
-a bounded rate, and the server goes on accepting.
+a bounded rate, and the server goes on accepting. An `accept()` that fails
+for want of descriptors or memory pauses accepting for a second, counted
+(`HttpStats.accept_pauses`) and logged at WARNING at a bounded rate, as the
+gRPC port does (trio's own accept loop logged a traceback at ERROR every
+0.1 s).
 
 `/metrics` is rendered by prometheus_client from the server's own registry,
 in the format the scraper's `Accept` header asks for (OpenMetrics or the
@@ -25,10 +29,11 @@ allows, as prometheus_client's own handlers do.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -38,6 +43,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from jobsignal.config import cannot_listen
+from jobsignal.file_limit import ACCEPT_CAPACITY_ERRNOS, WHY_ACCEPT_FAILED
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc.limits import ConnectionCounter
 from jobsignal.text import quote
@@ -64,6 +70,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOWED_METHODS = "GET, HEAD"
 # /metrics depends on these request headers (for caches between us and the scraper).
 METRICS_VARY = "Accept, Accept-Encoding"
+# After a failed accept(), as the gRPC port (asyncio's ACCEPT_RETRY_DELAY).
+ACCEPT_PAUSE = 1.0
 
 
 # Why a connection ended in a fault: the keys of HttpStats.errors.
@@ -87,6 +95,8 @@ class HttpStats:
     """
 
     errors: Counter[str] = field(default_factory=Counter)
+    # Times accepting paused, by the errno of the accept() that failed.
+    accept_pauses: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -351,4 +361,35 @@ async def run_metrics_server(
         finally:
             connections.closed(address)
 
-    await trio.serve_listeners(handler, listeners)
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(_accept_connections, listener, handler, stats, nursery)
+
+
+async def _accept_connections(
+    listener: trio.SocketListener,
+    handler: Callable[[trio.SocketStream], Awaitable[None]],
+    stats: HttpStats,
+    nursery: trio.Nursery,
+) -> None:
+    """Hand each connection `listener` accepts to `handler` in `nursery`; pause for a
+    second whenever accept() fails for want of descriptors or memory."""
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                name = errno.errorcode[exc.errno]
+                stats.accept_pauses[name] += 1
+                fault_log.warning(
+                    f"accept:{name}",
+                    "cannot accept metrics HTTP connections: %s (%s); accepting again in %g s",
+                    WHY_ACCEPT_FAILED[name],
+                    name,
+                    ACCEPT_PAUSE,
+                )
+                await trio.sleep(ACCEPT_PAUSE)
+                continue
+            nursery.start_soon(handler, stream)

@@ -29,9 +29,9 @@ from jobsignal.app import RunningJobsignal, run_jobsignal
 from jobsignal.client import SubscribeOptions, subscribe
 from jobsignal.config import load_config
 from jobsignal.fanout.stats import FanoutStats, Histogram
+from jobsignal.file_limit import ACCEPT_ERRORS
 from jobsignal.kube.watcher import WatchCounters
 from jobsignal.metrics import BuildInfo, MetricSources, build_registry
-from jobsignal.rpc.loop_faults import ACCEPT_ERRORS
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.sim.emulator import open_emulator
 from jobsignal.sim.emulator.server import ExpireWatch, HttpError
@@ -203,7 +203,11 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
     assert run.by("jobsignal_connections_closed_by_server_total", "reason") == {}
     assert run.value("jobsignal_streams_refused_total") == 0
     assert run.value("jobsignal_input_held_total") == 0
-    assert run.by("jobsignal_accept_pauses_total", "error") == dict.fromkeys(ACCEPT_ERRORS, 0)
+    assert run.series("jobsignal_accept_pauses_total") == {
+        frozenset({("port", port), ("error", error)}): 0
+        for port in ("grpc", "metrics")
+        for error in ACCEPT_ERRORS
+    }
     assert run.value("jobsignal_loop_errors_total") == 0
     assert run.value("jobsignal_tls_handshakes") == 0
     assert run.value("jobsignal_tls_handshakes_refused_total") == 0
@@ -291,7 +295,7 @@ def sources_with(
         "connections_closed_by_server": Counter(),
         "streams_refused": 0,
         "input_held": 0,
-        "accept_pauses": Counter(),
+        "accept_pauses": {},
         "tls_handshakes": 0,
         "tls_handshakes_refused": 0,
         "loop_errors": 0,
@@ -357,15 +361,25 @@ def test_each_fanout_counter_is_exported() -> None:
 
 def test_the_asyncio_loops_faults_and_tls_handshakes_are_exported() -> None:
     sources = sources_with(
-        accept_pauses=Counter({"EMFILE": 4001, "ENOBUFS": 4002}),
+        accept_pauses={
+            "grpc": Counter({"EMFILE": 4001, "ENOBUFS": 4002}),
+            "metrics": Counter({"EMFILE": 4006}),
+        },
         loop_errors=4003,
         tls_handshakes=4004,
         tls_handshakes_refused=4005,
     )
     samples = {(s.name, tuple(s.labels.items())): s.value for s in jobsignal_samples(sources)}
-    assert samples[("jobsignal_accept_pauses_total", (("error", "EMFILE"),))] == 4001
-    assert samples[("jobsignal_accept_pauses_total", (("error", "ENOBUFS"),))] == 4002
-    assert samples[("jobsignal_accept_pauses_total", (("error", "ENFILE"),))] == 0
+    pauses = {
+        (s.labels["port"], s.labels["error"]): s.value
+        for s in jobsignal_samples(sources)
+        if s.name == "jobsignal_accept_pauses_total"
+    }
+    assert pauses[("grpc", "EMFILE")] == 4001
+    assert pauses[("grpc", "ENOBUFS")] == 4002
+    assert pauses[("grpc", "ENFILE")] == 0
+    assert pauses[("metrics", "EMFILE")] == 4006
+    assert pauses[("metrics", "ENOBUFS")] == 0
     assert samples[("jobsignal_loop_errors_total", ())] == 4003
     assert samples[("jobsignal_tls_handshakes", ())] == 4004
     assert samples[("jobsignal_tls_handshakes_refused_total", ())] == 4005

@@ -10,7 +10,7 @@ import gzip
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -35,7 +35,9 @@ from jobsignal.metrics_server import (
 )
 from jobsignal.sim.emulator import open_emulator
 from tests.support.cluster import TOKEN, write_kubeconfig
+from tests.support.descriptors import connect_without_yielding, file_limit
 from tests.support.metrics import Scrape, scrape, scrape_text
+from tests.support.waiting import wait_until
 
 UP = CollectorRegistry()
 Gauge("up", "Test.", registry=UP).set(1)
@@ -290,6 +292,37 @@ async def test_all_addresses_together_get_at_most_the_limit(
         for stream in [extra, *held]:
             await stream.aclose()
         await wait_until_served(server.port)
+
+
+async def test_connections_past_the_file_limit_pause_accepting_and_end_nothing(
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """trio's own accept loop logged a traceback at ERROR every 0.1 s while the
+    process was out of files; now accepting pauses for a second, with one warning."""
+    caplog.set_level(logging.INFO)
+    async with open_metrics_server() as server:
+        with ExitStack() as stack:
+            waiting = connect_without_yielding(server.port, 10, stack)
+            for sock in waiting:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: h\r\n\r\n")
+            with file_limit(room=0):
+                await wait_until(lambda: server.stats.accept_pauses["EMFILE"] == 1)
+            # A second later every waiting connection is accepted and answered.
+            for sock in waiting:
+                stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock.dup()))
+                async with stream:
+                    with trio.fail_after(5):
+                        assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
+        assert server.stats.accept_pauses == {"EMFILE": 1}
+        await assert_still_serving(server.port)
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "jobsignal.metrics_server" and r.levelno == logging.WARNING
+    ]
+    assert len(warnings) == 1, warnings
+    assert "(EMFILE)" in warnings[0] and "ulimit -n" in warnings[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def wait_until_served(port: int) -> None:

@@ -30,20 +30,11 @@ from asyncio.constants import ACCEPT_RETRY_DELAY
 from collections import Counter
 from typing import Any
 
+from jobsignal.file_limit import ACCEPT_CAPACITY_ERRNOS, WHY_ACCEPT_FAILED
 from jobsignal.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)
-
-# The errors asyncio pauses accepting on (the rest it raises, and would end the loop).
-ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-ACCEPT_ERRORS = tuple(sorted(errno.errorcode[number] for number in ACCEPT_CAPACITY_ERRNOS))
-WHY_ACCEPT_FAILED = {
-    "EMFILE": "the process has as many files open as it may (ulimit -n)",
-    "ENFILE": "the system has as many files open as it may (fs.file-max)",
-    "ENOBUFS": "the kernel is out of socket buffers",
-    "ENOMEM": "the kernel is out of memory",
-}
 
 
 class LoopFaults:

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import resource
-import socket
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import pytest
 import trio
@@ -29,6 +25,7 @@ from jobsignal._proto.job import JobSummarySignal
 from jobsignal.rpc import connections as rpc_connections
 from jobsignal.rpc.connections import MAX_LINGERING_REFUSALS
 from jobsignal.rpc.limits import Limits
+from tests.support.descriptors import connect_without_yielding, file_limit
 from tests.support.factories import make_job
 from tests.support.grpc_server import ServerHarness, local_settings, open_jobsignal_server
 from tests.support.waiting import wait_until
@@ -36,25 +33,6 @@ from tests.support.waiting import wait_until
 from .test_h2_fuzz import HEALTHY_STREAM, healthy_subscriber
 from .test_hostile_h2 import RawPeer, raw_peer
 from .test_whole_messages import messages
-
-
-@contextmanager
-def file_limit(room: int) -> Iterator[None]:
-    """The soft limit of open files lowered to `room` more than are open now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + room, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def connect_without_yielding(port: int, count: int, stack: ExitStack) -> list[socket.socket]:
-    """`count` connections the kernel completes in the listen backlog: the server,
-    which runs only when this task yields, has accepted none of them yet."""
-    return [
-        stack.enter_context(socket.create_connection(("127.0.0.1", port))) for _ in range(count)
-    ]
 
 
 async def assert_delivers(server: ServerHarness, healthy: RawPeer, index: int) -> None:
