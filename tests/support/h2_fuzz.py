@@ -3,7 +3,8 @@
 `random_frames` builds what one hostile connection sends after its preface:
 mostly well-formed frames on streams that exist, now and then a frame on
 stream 0 or on a stream never opened, odd SETTINGS, windows at their limits,
-gRPC messages with wrong prefixes, headers a gRPC client would not send.
+gRPC messages with wrong prefixes, headers a gRPC client would not send,
+requests compressed well and badly.
 Seeded (`random.Random`), so a failure is reproduced by its seed. The tests
 (tests/rpc/test_h2_fuzz.py) check what the server does with it, not what it
 answers: no connection but the hostile one may suffer.
@@ -12,8 +13,11 @@ answers: no connection but the hostile one may suffer.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import random
 import struct
+import zlib
+from collections.abc import Callable
 
 import hpack
 from hyperframe import frame as h2frame
@@ -32,6 +36,7 @@ PATHS = (
 )
 ROLES = ("CCAgent", "FdAgent", "DefaultUser1", "nobody", "")
 LARGEST_WINDOW = 2**31 - 1
+COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {"gzip": gzip.compress, "deflate": zlib.compress}
 
 
 class FrameMaker:
@@ -39,6 +44,11 @@ class FrameMaker:
 
     def __init__(self, rng: random.Random, authority: str) -> None:
         self.rng = rng
+        # Compression is drawn from a generator of its own, seeded from `rng`'s
+        # state without drawing from it: every seed's frames stay what they were
+        # before compressed requests were read (only headers and bodies change).
+        self.compression = random.Random(hash(rng.getstate()[1]))
+        self.encodings: dict[int, str] = {}  # the grpc-encoding each stream's headers named
         self.authority = authority
         self.encoder = hpack.Encoder()
         self.opened: list[int] = []  # every stream opened so far
@@ -59,11 +69,13 @@ class FrameMaker:
             kind = "headers"  # a stream to send on first
         if kind == "headers":
             stream = self._stream(new=not wrong or rng.random() < 0.5, wrong=wrong)
-            frame = h2frame.HeadersFrame(stream, self._header_block(wrong), flags=["END_HEADERS"])
+            block = self._header_block(stream, wrong)
+            frame = h2frame.HeadersFrame(stream, block, flags=["END_HEADERS"])
             if rng.random() < 0.15:
                 frame.flags.add("END_STREAM")
         elif kind == "data":
-            body = grpc_frame(client_info(rng.choice(ROLES), rng.choice(("", "x" * 36))))
+            payload = client_info(rng.choice(ROLES), rng.choice(("", "x" * 36)))
+            body = grpc_frame(payload)
             if wrong:
                 body = rng.choice(
                     (
@@ -73,7 +85,10 @@ class FrameMaker:
                         rng.randbytes(rng.randrange(200)),
                     )
                 )
-            frame = h2frame.DataFrame(self._stream(new=False, wrong=wrong), body)
+            stream = self._stream(new=False, wrong=wrong)
+            if not wrong and self.compression.random() < 0.5:
+                body = self._compressed(payload, self.encodings.get(stream))
+            frame = h2frame.DataFrame(stream, body)
             if rng.random() < 0.5:
                 frame.flags.add("END_STREAM")
         elif kind == "reset":
@@ -114,6 +129,17 @@ class FrameMaker:
             data = data[:5] + struct.pack(">I", stream_id) + data[9:]
         return data
 
+    def _compressed(self, payload: bytes, encoding: str | None) -> bytes:
+        """`payload` as a compressed gRPC message: mostly in the `encoding` its stream
+        named, else in gzip or deflate, now and then a bomb (64 KiB of zeros in
+        gzip, over the request limit once inflated)."""
+        draw = self.compression.random()
+        if draw < 0.15:
+            return grpc_frame(gzip.compress(bytes(64 * 1024)), compressed=True)
+        if draw < 0.3 or encoding not in COMPRESSORS:
+            encoding = self.compression.choice(sorted(COMPRESSORS))
+        return grpc_frame(COMPRESSORS[encoding](payload), compressed=True)
+
     def _stream(self, *, new: bool, wrong: bool) -> int:
         """A new stream, one the peer still sends on, or (`wrong`) any other."""
         if new or not (self.sending or (wrong and self.opened)):
@@ -124,7 +150,7 @@ class FrameMaker:
             return self.rng.choice((*self.opened, self.opened[-1] + 100))  # ended, or never opened
         return self.rng.choice(self.sending)
 
-    def _header_block(self, wrong: bool) -> bytes:
+    def _header_block(self, stream: int, wrong: bool) -> bytes:
         rng = self.rng
         headers = [
             (":method", "POST"),
@@ -138,6 +164,10 @@ class FrameMaker:
             headers.append(
                 ("grpc-timeout", rng.choice(("0n", "1u", "5m", "10S", "x", "99999999H")))
             )
+        if self.compression.random() < 0.5:
+            encoding = self.compression.choice(("gzip", "deflate", "gzip", "identity", "zstd"))
+            headers.append(("grpc-encoding", encoding))
+            self.encodings[stream] = encoding
         if wrong:
             match rng.randrange(5):
                 case 0:
