@@ -19,6 +19,8 @@ import zlib
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from jobsignal.text import quote
+
 # zlib's window bits for each encoding: gzip with its header and trailer, and
 # deflate in the zlib format (RFC 1950), as gRPC core and grpc-java send it.
 _WINDOW_BITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -40,7 +42,7 @@ def check_encoding(encoding: str | None) -> str:
     if encoding not in _WINDOW_BITS:
         raise GRPCError(
             Status.UNIMPLEMENTED,
-            f"grpc-encoding {encoding[:_ECHOED_CHARS]!r} is not supported;"
+            f"grpc-encoding {quote(encoding, _ECHOED_CHARS)} is not supported;"
             f" this server reads {ACCEPTED_ENCODINGS}",
         )
     return encoding
