@@ -42,6 +42,20 @@ from tests.support.grpcio import GrpcioClients, GrpcioStubs, load
 IO_AUTOJUMP_THRESHOLD = 0.02
 
 
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """Leave the root logger as it was: configure_logging (and `main`, which calls
+    it) replaces its handlers, and one writing to a test's captured stderr would
+    outlive the test ("I/O operation on closed file" in later tests)."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def grpcio_stubs() -> GrpcioStubs:
     return load()

@@ -20,6 +20,9 @@ import pytest
 from jobsignal.cli import main
 from jobsignal.config import SERVE_SETTINGS, ConfigError, defaults, load_config, settings_table
 
+# `main` configures logging on the captured stderr: the root logger is put back.
+pytestmark = pytest.mark.usefixtures("root_logging")
+
 ROOT = Path(__file__).parent.parent
 # No kubeconfig or cluster reachable from the tests: an empty HOME and environment.
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JOBSIGNAL_", "KUBE"))}

@@ -33,6 +33,9 @@ from tests.support.grpc_server import local_settings, open_jobsignal_server
 from tests.support.tls import write_pair
 from tests.support.waiting import wait_until
 
+# `main` configures logging on the captured stderr: the root logger is put back.
+pytestmark = pytest.mark.usefixtures("root_logging")
+
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JOBSIGNAL_", "KUBE"))}
 GROUPS = [
     "gRPC",

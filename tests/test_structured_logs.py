@@ -34,18 +34,6 @@ CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JOBSIGNAL
 
 
 @pytest.fixture
-def root_logging() -> Iterator[None]:
-    """Leave the root logger as it was (configure_logging replaces its handlers)."""
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        root.handlers[:], level = saved
-        root.setLevel(level)
-
-
-@pytest.fixture
 def far_east() -> Iterator[None]:
     """A local zone 8 hours ahead of UTC, so a local-time stamp would show."""
     saved = os.environ.get("TZ")
