@@ -11,7 +11,6 @@ import gc
 import logging
 import os
 import signal
-import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -168,7 +167,7 @@ async def run_source(
             emulator = await nursery.start(run_demo_cluster)
             connection = KubeConnection(
                 base_url=emulator.url,
-                verify=ssl.create_default_context(),
+                verify=None,
                 token_source=None,
                 description="embedded demo cluster",
                 default_namespace=None,

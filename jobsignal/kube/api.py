@@ -1,7 +1,8 @@
 """The Kubernetes API as the watcher needs it: paged LIST and WATCH of ConfigMaps.
 
 Raw HTTP through httpx. `open_kube_client` builds the client from a
-`KubeConnection`: TLS, the cluster's proxy, ``User-Agent: jobsignal/<version>``
+`KubeConnection`: TLS, the cluster's proxy (or, reached directly, jobsignal's
+own trio transport, `kube.transport`), ``User-Agent: jobsignal/<version>``
 (so audit logs and API Priority and Fairness can tell jobsignal apart) and, for
 exec credential plugins, an httpx auth hook that fetches the credential before
 each request and drops it after a 401. Every failure leaves this module as one
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, Protocol
@@ -24,6 +26,7 @@ import trio
 from jobsignal.kube import documents
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, load_client_certificate
 from jobsignal.kube.exec_credentials import ExecCredentialError, ExecCredentials
+from jobsignal.kube.transport import DirectTransport
 from jobsignal.logs import RateLimitedLog
 from jobsignal.version import __version__
 
@@ -104,25 +107,39 @@ def open_kube_client(connection: KubeConnection, *, timeout: httpx.Timeout) -> h
     """An httpx client for the API server *connection* describes; use it with ``async with``.
 
     Without a ``proxy-url`` the usual proxy environment variables apply, as
-    for kubectl. With an exec plugin, connections are not kept alive: a
+    for kubectl: with one of them set, httpx's own transport (httpcore)
+    carries the requests, which knows proxies and CONNECT tunnels; without,
+    `DirectTransport`. With an exec plugin, connections are not kept alive: a
     renewed client certificate must be presented by the very next request
     (the API server checks it per request), and the watcher's few requests
     gain little from reuse.
     """
     auth: httpx.Auth | None = None
-    limits = httpx.Limits()
     if connection.exec_credentials is not None:
         auth = ExecAuth(connection.exec_credentials, connection.verify)
-        limits = httpx.Limits(max_keepalive_connections=0)
+    keep_alive = connection.exec_credentials is None
+    common: dict[str, Any] = {
+        "base_url": connection.base_url,
+        "auth": auth,
+        "headers": {"User-Agent": user_agent()},
+        "timeout": timeout,
+    }
+    if connection.proxy is None and not _proxy_in_environment():
+        transport = DirectTransport(connection.verify, keep_alive=keep_alive)
+        return httpx.AsyncClient(transport=transport, **common)
     return httpx.AsyncClient(
-        base_url=connection.base_url,
-        verify=connection.verify,
+        # (A plain-http server's requests never use this context; httpx wants one.)
+        verify=connection.verify or ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT),
         proxy=connection.proxy,
-        auth=auth,
-        headers={"User-Agent": user_agent()},
-        timeout=timeout,
-        limits=limits,
+        limits=httpx.Limits() if keep_alive else httpx.Limits(max_keepalive_connections=0),
+        **common,
     )
+
+
+def _proxy_in_environment() -> bool:
+    """Whether HTTP_PROXY, HTTPS_PROXY or ALL_PROXY (any case) is set; NO_PROXY is
+    left to httpx, which reads them all."""
+    return any(scheme in ("http", "https", "all") for scheme in urllib.request.getproxies())
 
 
 class ExecAuth(httpx.Auth):
@@ -132,10 +149,11 @@ class ExecAuth(httpx.Auth):
     expiry). A 401 drops it, so the next request runs the plugin again; the
     refused request is not retried here (the caller backs off, as client-go's
     callers do). A client certificate is loaded into the connection's
-    SSLContext, which applies to every handshake from then on.
+    SSLContext, which applies to every handshake from then on (a plain-http
+    server has no context: a certificate would have nothing to prove).
     """
 
-    def __init__(self, credentials: ExecCredentials, tls: ssl.SSLContext) -> None:
+    def __init__(self, credentials: ExecCredentials, tls: ssl.SSLContext | None) -> None:
         self._credentials = credentials
         self._tls = tls
         self._loaded: tuple[bytes, bytes] | None = None
@@ -147,11 +165,11 @@ class ExecAuth(httpx.Auth):
         self, request: httpx.Request
     ) -> AsyncGenerator[httpx.Request, httpx.Response]:
         credential, _ = await self._credentials.get()
-        if credential.client_certificate is not None and credential.client_key is not None:
-            pair = (credential.client_certificate, credential.client_key)
-            if pair != self._loaded:
-                load_client_certificate(self._tls, *pair, self._credentials.plugin.label)
-                self._loaded = pair
+        certificate, key = credential.client_certificate, credential.client_key
+        renewed = (certificate, key) != self._loaded
+        if self._tls is not None and certificate is not None and key is not None and renewed:
+            load_client_certificate(self._tls, certificate, key, self._credentials.plugin.label)
+            self._loaded = (certificate, key)
         if credential.token is not None:
             request.headers["Authorization"] = f"Bearer {credential.token}"
         response = yield request

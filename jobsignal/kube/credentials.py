@@ -2,7 +2,7 @@
 
 This module owns the credentials/connection layer: it turns the in-cluster
 service-account mount or a kubeconfig file into a :class:`KubeConnection` (base
-URL, an :class:`ssl.SSLContext` for httpx's ``verify=``, a bearer-token
+URL, the :class:`ssl.SSLContext` for its TLS connections, a bearer-token
 provider, a log-safe description and the default namespace). It does no network
 I/O. Every problem with the configuration is reported as a
 :class:`KubeConfigError` whose message is one line, names the file, context,
@@ -157,18 +157,17 @@ class TokenSource:
 class KubeConnection:
     """Everything needed to build an ``httpx.AsyncClient`` for the API server.
 
-    ``httpx.AsyncClient(base_url=conn.base_url, verify=conn.verify,
-    proxy=conn.proxy)``, plus an ``Authorization: Bearer
-    <conn.token_source.current()>`` header per request when ``token_source`` is
-    set, or the credentials of ``exec_credentials`` (kube.api's
-    ``open_kube_client`` does all of it). ``verify`` is always an SSLContext:
-    it carries the CA (or, for an https server, the system roots), the client
-    certificate and key, the ``tls-server-name`` override, or disabled
-    verification.
+    Requests go to ``base_url`` (through ``proxy`` when set), with an
+    ``Authorization: Bearer <conn.token_source.current()>`` header when
+    ``token_source`` is set, or the credentials of ``exec_credentials``
+    (kube.api's ``open_kube_client`` does all of it). ``verify`` carries the CA
+    (or, for an https server, the system roots), the client certificate and
+    key, the ``tls-server-name`` override, or disabled verification; it is
+    None for a plain-http server with no TLS setting.
     """
 
     base_url: str
-    verify: ssl.SSLContext
+    verify: ssl.SSLContext | None
     token_source: TokenSource | None
     description: str
     default_namespace: str | None
@@ -446,7 +445,12 @@ def _connect(cfg: _Config, context_name: str | None) -> KubeConnection:
             raise KubeConfigError(f"user {user_name!r} of {ctx_where} is not defined")
 
     base_url = _server_url(cluster, cluster_where)
-    tls = _cluster_tls(cluster, cluster_where, https=base_url.startswith("https:"))
+    tls = _cluster_tls(
+        cluster,
+        cluster_where,
+        https=base_url.startswith("https:"),
+        client_certificate=user is not None and _has_client_cert(user),
+    )
     proxy = _proxy_url(cluster, cluster_where)
     credentials = _Credentials(None, None, "no credentials")
     if user is not None and user_name:
@@ -493,7 +497,8 @@ def _server_url(cluster: _Entry, where: str) -> str:
 
 @dataclass(frozen=True)
 class _ClusterTls:
-    context: ssl.SSLContext
+    # None for a plain-http server with no TLS setting at all.
+    context: ssl.SSLContext | None
     #: For the connection's description: ", TLS verification disabled", ...
     note: str
     ca_pem: bytes | None
@@ -501,7 +506,9 @@ class _ClusterTls:
     server_name: str | None
 
 
-def _cluster_tls(cluster: _Entry, where: str, *, https: bool) -> _ClusterTls:
+def _cluster_tls(
+    cluster: _Entry, where: str, *, https: bool, client_certificate: bool
+) -> _ClusterTls:
     insecure = cluster.body.get("insecure-skip-tls-verify", False)
     if not isinstance(insecure, bool):
         raise KubeConfigError(f"{where}: insecure-skip-tls-verify is not true or false")
@@ -525,6 +532,10 @@ def _cluster_tls(cluster: _Entry, where: str, *, https: bool) -> _ClusterTls:
             f"{where} sets both insecure-skip-tls-verify and a certificate authority"
         )
 
+    if not (https or insecure or ca_pem or server_name or client_certificate):
+        # A plain-http server (`kubectl proxy`, an emulator): no SSLContext at all,
+        # about 0.5 MB of OpenSSL's memory that would never be used.
+        return _ClusterTls(None, "", None, False, None)
     context = _new_context(server_name)
     if insecure:
         context.check_hostname = False
@@ -622,7 +633,7 @@ _INTERACTIVE_MODES = ("Never", "IfAvailable", "Always")
 def _user_credentials(
     user: _Entry,
     where: str,
-    context: ssl.SSLContext,
+    context: ssl.SSLContext | None,
     exec_cluster: Callable[[], dict[str, Any]],
 ) -> _Credentials:
     if user.body.get("auth-provider"):
@@ -678,6 +689,8 @@ def _user_credentials(
         missing = "client-key" if key is None else "client-certificate"
         raise KubeConfigError(f"{where} has a client certificate or key but no {missing}")
     if cert is not None and key is not None:
+        if context is None:  # `_cluster_tls` builds one wherever a client certificate is set
+            raise RuntimeError("a client certificate without an SSLContext")
         _load_client_cert(context, cert, key, where)
         notes.append("client certificate")
     return _Credentials(tokens, None, ", ".join(notes) or "no credentials")

@@ -17,6 +17,7 @@ import trustme
 import yaml
 from cryptography.hazmat.primitives import serialization
 
+from jobsignal.kube.api import open_kube_client
 from jobsignal.kube.credentials import (
     KubeConfigError,
     KubeConnection,
@@ -29,6 +30,12 @@ from tests.support.tls import b64, server_context
 
 TOKEN = "s3cr3t-token-value"
 CLUSTER_ENV = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+
+
+def context_of(connection: KubeConnection) -> ssl.SSLContext:
+    """The connection's SSLContext, which every TLS-capable connection has."""
+    assert connection.verify is not None
+    return connection.verify
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +77,9 @@ def test_in_cluster_reads_service_account(sa_root: Path) -> None:
     assert conn.token_source is not None
     assert conn.token_source.current() == TOKEN
     assert conn.default_namespace == "training"
-    assert conn.verify.verify_mode == ssl.CERT_REQUIRED
-    assert conn.verify.check_hostname
-    assert len(conn.verify.get_ca_certs()) == 1  # the service-account CA only
+    assert context_of(conn).verify_mode == ssl.CERT_REQUIRED
+    assert context_of(conn).check_hostname
+    assert len(context_of(conn).get_ca_certs()) == 1  # the service-account CA only
     assert "in-cluster service account" in conn.description
     assert TOKEN not in conn.description
     assert TOKEN not in repr(conn)
@@ -246,8 +253,8 @@ def test_kubeconfig_token_and_ca_data(tmp_path: Path, ca: Any) -> None:
     assert conn.token_source is not None
     assert conn.token_source.current() == TOKEN
     assert conn.default_namespace == "jobs"
-    assert len(conn.verify.get_ca_certs()) == 1
-    assert conn.verify.verify_mode == ssl.CERT_REQUIRED
+    assert len(context_of(conn).get_ca_certs()) == 1
+    assert context_of(conn).verify_mode == ssl.CERT_REQUIRED
     assert conn.description == (
         f"kubeconfig {path} context 'ctx' (server https://api.example.test:6443, static token)"
     )
@@ -283,14 +290,14 @@ def test_kubeconfig_ca_file_relative(tmp_path: Path, ca: Any) -> None:
         tmp_path,
         cluster={"server": "https://10.0.0.1:6443", "certificate-authority": "pki/ca.crt"},
     )
-    assert len(load_kubeconfig(path, environ={}).verify.get_ca_certs()) == 1
+    assert len(context_of(load_kubeconfig(path, environ={})).get_ca_certs()) == 1
 
 
 def test_kubeconfig_without_ca_uses_system_roots(tmp_path: Path) -> None:
     path = write_kubeconfig(tmp_path)
     conn = load_kubeconfig(path, environ={})
-    assert conn.verify.verify_mode == ssl.CERT_REQUIRED
-    assert conn.verify.check_hostname
+    assert context_of(conn).verify_mode == ssl.CERT_REQUIRED
+    assert context_of(conn).check_hostname
 
 
 def test_kubeconfig_insecure_skip_tls_verify(tmp_path: Path) -> None:
@@ -298,8 +305,8 @@ def test_kubeconfig_insecure_skip_tls_verify(tmp_path: Path) -> None:
         tmp_path, cluster={"server": "https://10.0.0.1:6443", "insecure-skip-tls-verify": True}
     )
     conn = load_kubeconfig(path, environ={})
-    assert conn.verify.verify_mode == ssl.CERT_NONE
-    assert not conn.verify.check_hostname
+    assert context_of(conn).verify_mode == ssl.CERT_NONE
+    assert not context_of(conn).check_hostname
     assert "TLS verification disabled" in conn.description
 
 
@@ -313,7 +320,7 @@ def test_kubeconfig_data_fields_override_files(tmp_path: Path, ca: Any) -> None:
             "certificate-authority-data": b64(ca_pem(ca)),
         },
     )
-    assert len(load_kubeconfig(path, environ={}).verify.get_ca_certs()) == 1
+    assert len(context_of(load_kubeconfig(path, environ={})).get_ca_certs()) == 1
 
 
 def test_client_key_data_temp_file_is_removed(
@@ -791,18 +798,18 @@ async def tls_server(context: ssl.SSLContext) -> AsyncIterator[TlsServer]:
 
 
 async def get(conn: KubeConnection) -> str:
-    async with httpx.AsyncClient(base_url=conn.base_url, verify=conn.verify, trust_env=False) as c:
+    async with open_kube_client(conn, timeout=httpx.Timeout(10.0)) as c:
         response = await c.get("/version")
         response.raise_for_status()
         return response.text
 
 
 def ssl_reason(exc: BaseException) -> str:
-    """The ssl error under httpx's ConnectError (its own message is empty under trio)."""
+    """The ssl error under trio's BrokenResourceError, or the ConnectError that names it."""
     cause: BaseException | None = exc
     while cause is not None and not isinstance(cause, ssl.SSLError):
         cause = cause.__cause__ or cause.__context__
-    return str(cause)
+    return str(cause or exc)
 
 
 @pytest.mark.parametrize("form", ["data", "files"])

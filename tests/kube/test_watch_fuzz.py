@@ -25,6 +25,7 @@ import trio.testing
 
 from jobsignal.fanout import Broadcaster
 from jobsignal.kube.api import KubeApi
+from jobsignal.kube.transport import DirectTransport
 from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
@@ -125,7 +126,9 @@ async def test_whatever_the_api_server_sends_the_watcher_goes_on_and_recovers(
         )
         port = listeners[0].socket.getsockname()[1]
         async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}", timeout=httpx.Timeout(10.0), verify=False
+            base_url=f"http://127.0.0.1:{port}",
+            timeout=httpx.Timeout(10.0),
+            transport=DirectTransport(None),
         ) as client:
             api = KubeApi(client, None, read_timeout=60.0)
             watcher = Watcher(

@@ -22,6 +22,7 @@ from jobsignal.app import choose_connection, run_source
 from jobsignal.config import load_config
 from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.kube.api import KubeApi, TokenProvider
+from jobsignal.kube.transport import DirectTransport
 from jobsignal.kube.watcher import Credentials, Watcher, WatchSettings
 from jobsignal.sim.emulator import KubeEmulator
 from jobsignal.status import SourceStatus
@@ -129,8 +130,8 @@ async def open_watcher(
         httpx.AsyncClient(
             base_url=emu.url,
             timeout=timeout,
-            # Plain HTTP: no TLS, so skip loading the CA bundle (0.1 s per client).
-            verify=not emu.url.startswith("http://"),
+            # As `open_kube_client` builds it for a plain-http server reached directly.
+            transport=DirectTransport(None),
             event_hooks={"request": [record_request], "response": [record_response]},
         ) as client,
         trio.open_nursery() as nursery,
