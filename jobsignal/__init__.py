@@ -29,42 +29,63 @@ Job events in-process, without gRPC (plain dataclasses; see jobsignal.events)::
         ...
 """
 
+import importlib
 from typing import TYPE_CHECKING
 
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.app import RunningJobsignal
 from jobsignal.app import run_jobsignal as serve
 from jobsignal.config import Config, ConfigError, configure
-from jobsignal.embed import watch_jobs
-from jobsignal.events import (
-    EventKind,
-    FellBehind,
-    JobEvent,
-    JobEvents,
-    JobState,
-    RankDevice,
-    RankServer,
-    RankTable,
-)
 from jobsignal.rpc import _grpclib
 from jobsignal.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription, subscribe
+    from jobsignal.embed import watch_jobs
+    from jobsignal.events import (
+        EventKind,
+        FellBehind,
+        JobEvent,
+        JobEvents,
+        JobState,
+        RankDevice,
+        RankServer,
+        RankTable,
+    )
 
 # Before any grpclib handler or call runs on trio-asyncio (Python 3.12+).
 _grpclib.install()
 
-# The client (with grpclib's) is imported on first use: a server never loads it.
-_CLIENT_NAMES = frozenset({"SubscribeFailed", "SubscribeOptions", "open_subscription", "subscribe"})
+# Imported on first use, so that `jobsignal serve` loads none of them: the
+# client (with grpclib's) and the in-process events API (about 0.1 MB at idle).
+_LAZY_NAMES = {
+    "SubscribeFailed": "client",
+    "SubscribeOptions": "client",
+    "open_subscription": "client",
+    "subscribe": "client",
+    "watch_jobs": "embed",
+    **dict.fromkeys(
+        (
+            "EventKind",
+            "FellBehind",
+            "JobEvent",
+            "JobEvents",
+            "JobState",
+            "RankDevice",
+            "RankServer",
+            "RankTable",
+        ),
+        "events",
+    ),
+}
 
 
 def __getattr__(name: str) -> object:
-    if name not in _CLIENT_NAMES:
+    module_name = _LAZY_NAMES.get(name)
+    if module_name is None:
         raise AttributeError(f"module 'jobsignal' has no attribute {name!r}")
-    from jobsignal import client
-
-    value = getattr(client, name)
+    module = importlib.import_module(f"jobsignal.{module_name}")
+    value = getattr(module, name)
     globals()[name] = value  # found directly from now on
     return value
 

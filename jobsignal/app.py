@@ -23,7 +23,6 @@ import httpx
 import trio
 
 from jobsignal.config import Config, ConfigError
-from jobsignal.events import JobEvents
 from jobsignal.fanout import Broadcaster
 from jobsignal.file_limit import open_file_limit, shortfall
 from jobsignal.heap import release_free_memory
@@ -33,11 +32,11 @@ from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.rpc.connections import MAX_LINGERING_REFUSALS
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
-from jobsignal.rpc.tls import TlsConfigError, build_context
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 
 if TYPE_CHECKING:  # imported where used: without them a server loads no prometheus_client or h11
+    from jobsignal.events import JobEvents
     from jobsignal.metrics import MetricSources
     from jobsignal.metrics_server import HttpStats
 
@@ -110,6 +109,8 @@ class RunningJobsignal:
         channel ends when the server shuts down. Leaving the block closes it.
         """
         await self.ready.wait()
+        from jobsignal.events import JobEvents  # (for embedders only: not loaded by `serve`)
+
         events = JobEvents(self._parts.broadcaster, snapshot=snapshot)
         try:
             yield events
@@ -122,6 +123,8 @@ def server_settings(config: Config) -> ServerSettings:
     ConfigError at start-up, with the file named, not a failure at the first client."""
     settings = ServerSettings.from_config(config)
     if settings.tls is not None:
+        from jobsignal.rpc.tls import TlsConfigError, build_context
+
         try:
             build_context(settings.tls)
         except TlsConfigError as error:

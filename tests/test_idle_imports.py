@@ -6,7 +6,9 @@ and a List subscription, and reports which of those modules it loaded. Server
 reflection is the one caller of the protobuf runtime, loaded on its first call
 (jobsignal/rpc/reflection.py); its answers are tested in tests/rpc/test_interop.py.
 `jobsignal serve` with text logs loads neither the client commands,
-jobsignal's gRPC client (with grpclib's), shtab nor python-json-logger.
+jobsignal's gRPC client (with grpclib's), shtab nor python-json-logger; nor,
+watching a plain-http cluster (the demo's), httpcore with anyio, the
+in-process events API or the TLS modules, and it makes no SSLContext.
 """
 
 from __future__ import annotations
@@ -74,8 +76,16 @@ def test_a_serving_server_loads_neither_protobuf_nor_yaml() -> None:
 
 
 SERVE_COMMAND_AND_REPORT = """
-import json, os, sys
+import json, os, ssl, sys
 import trio
+
+contexts = []
+make_context = ssl.SSLContext.__new__
+def counted(cls, *args, **kwargs):
+    contexts.append(cls.__name__)
+    return make_context(cls, *args, **kwargs)
+ssl.SSLContext.__new__ = counted
+
 from jobsignal import cli
 from jobsignal.app import run_jobsignal
 from jobsignal.config import load_config
@@ -94,18 +104,20 @@ async def main():
             name for name in sys.modules
             if name in (
                 "jobsignal.client", "jobsignal.client_cli", "grpclib.client", "shtab",
-                "jobsignal.json_logs", "pythonjsonlogger",
+                "jobsignal.json_logs", "pythonjsonlogger", "httpcore", "anyio",
+                "jobsignal.events", "jobsignal.embed", "jobsignal.rpc.tls",
+                "jobsignal.rpc.tls_connections",
             )
         )
-        print(json.dumps({"loaded": loaded}))
+        print(json.dumps({"loaded": loaded, "ssl_contexts": contexts}))
         server.request_shutdown()
 
 trio.run(main)
 """
 
 
-def test_the_serve_command_loads_no_client() -> None:
-    assert report_of(SERVE_COMMAND_AND_REPORT) == {"loaded": []}
+def test_the_serve_command_loads_only_what_it_uses() -> None:
+    assert report_of(SERVE_COMMAND_AND_REPORT) == {"loaded": [], "ssl_contexts": []}
 
 
 LOAD_AND_REPORT = """

@@ -53,7 +53,8 @@ def test_event_id_is_a_uuid5_in_jobsignals_namespace() -> None:
     assert value.variant == uuid.RFC_4122
     # Pinned: the id of a state must never change between releases, or
     # replicas of two versions would disagree during a rolling upgrade.
-    assert str(EVENT_ID_NAMESPACE) == "720fcb38-2424-4a4c-8de0-64942ee0d6d9"
+    assert str(uuid.UUID(bytes=EVENT_ID_NAMESPACE)) == "720fcb38-2424-4a4c-8de0-64942ee0d6d9"
+    assert str(value) == "1e6b74b7-a0b5-59a9-8f22-a2b36037da81"  # as it always was
 
 
 def test_same_state_same_id_even_as_a_new_object() -> None:

@@ -55,9 +55,8 @@ from jobsignal.rpc import _grpclib
 from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.guard import AddressBudgets, ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.keepalive import KeepalivePolicy, Liveness, PeerLiveness
-from jobsignal.rpc.limits import ConnectionCounter, Limits, peer_ip
+from jobsignal.rpc.limits import ConnectionCounter, Limits, peer_ip, tls_handshake_counter
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
-from jobsignal.rpc.tls_connections import tls_handshake_counter
 from jobsignal.text import quote
 
 log = logging.getLogger(__name__)

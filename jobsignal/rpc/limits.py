@@ -95,3 +95,18 @@ class ConnectionCounter:
         self.per_ip[ip] -= 1
         if self.per_ip[ip] <= 0:
             del self.per_ip[ip]
+
+
+# Handshakes in progress at once, in total and from one address. A handshake
+# waits on the peer, not on the server's CPU, so these bound what silent
+# peers hold without slowing honest ones; a client refused here retries.
+MAX_TLS_HANDSHAKES = 256
+MAX_TLS_HANDSHAKES_PER_IP = 64
+
+
+def tls_handshake_counter() -> ConnectionCounter:
+    """Handshakes in progress on one server (`total`), and connections closed because
+    too many were (`refused`)."""
+    return ConnectionCounter(
+        MAX_TLS_HANDSHAKES, MAX_TLS_HANDSHAKES_PER_IP, what="TLS handshakes in progress"
+    )

@@ -14,7 +14,6 @@ slots. Addresses are passed in by the caller (the connection's peer address).
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 from grpclib.const import Status
 
 from jobsignal.config import Config
+from jobsignal.uuids import random_uuid
 
 
 class Refused(Exception):
@@ -148,7 +148,7 @@ class Registry:
             raise RegistryFull(
                 f"too many registered clients (limit {self.max_registrations}); retry later"
             )
-        client_id = str(uuid.uuid4())
+        client_id = random_uuid()
         self._unclaimed[client_id] = _Registration(role, now, address)
         self._unclaimed_per_address[address] += 1
         return client_id

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio_asyncio
@@ -38,9 +38,11 @@ from jobsignal.rpc.reflection import LazyReflection
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
 from jobsignal.rpc.session import Sessions, SessionSettings
-from jobsignal.rpc.tls import ReloadingTls, TlsFiles
-from jobsignal.rpc.tls_connections import TlsServing
 from jobsignal.status import SourceStatus
+
+if TYPE_CHECKING:
+    from jobsignal.rpc.tls import ReloadingTls, TlsFiles
+    from jobsignal.rpc.tls_connections import TlsServing
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ def _tls_files(config: Config) -> TlsFiles | None:
     at start-up, so a broken one fails before anything runs."""
     if not config.tls_cert:
         return None
+    # The TLS modules load only where TLS is configured (an idle server's memory).
+    from jobsignal.rpc.tls import TlsFiles
+
     client_ca = Path(config.tls_client_ca) if config.tls_client_ca else None
     return TlsFiles(Path(config.tls_cert), Path(config.tls_key), client_ca)
 
@@ -114,6 +119,8 @@ def tls_serving(
     tls: ReloadingTls, settings: ServerSettings, connections: ConnectionTable
 ) -> TlsServing:
     """TLS for each connection, its handshake bounded in time and in number."""
+    from jobsignal.rpc.tls_connections import TlsServing
+
     return TlsServing(
         tls.listening_context,
         # Peers that never finish the TLS handshake hold a connection too.
@@ -181,7 +188,11 @@ async def run_grpc_server(
     )
     services: list[Any] = [service, health]
     services.append(LazyReflection(services))
-    tls = ReloadingTls(settings.tls) if settings.tls is not None else None
+    tls = None
+    if settings.tls is not None:
+        from jobsignal.rpc.tls import ReloadingTls
+
+        tls = ReloadingTls(settings.tls)
     loop_faults = LoopFaults()
     async with trio_asyncio.open_loop() as loop, trio.open_nursery() as nursery:
         loop_faults.install(loop)

@@ -12,8 +12,9 @@ gRPC request is a few hundred bytes and the server handles at most
 `LeanTlsProtocol` reads through 16 KiB, one TLS record.
 
 asyncio hands a TLS connection to the HTTP/2 protocol, where the connection
-limits count it, only once its handshake is done. `tls_handshake_counter`
-counts the handshakes in progress, in total and per client address, and a connection
+limits count it, only once its handshake is done. A counter of its own
+(`limits.tls_handshake_counter`) counts the handshakes in progress, in total
+and per client address, and a connection
 past either bound is closed as it is accepted (docs/architecture.md section
 7, "File descriptors").
 
@@ -40,21 +41,6 @@ fault_log = RateLimitedLog(log)
 # Bytes read from the socket at once (and decrypted at once): about one TLS
 # record, which carries at most 16 KiB of data.
 TLS_READ_BUFFER = 16 * 1024
-# Handshakes in progress at once, in total and from one address. A handshake
-# waits on the peer, not on the server's CPU, so these bound what silent
-# peers hold without slowing honest ones; a client refused here retries.
-MAX_TLS_HANDSHAKES = 256
-MAX_TLS_HANDSHAKES_PER_IP = 64
-
-
-def tls_handshake_counter() -> ConnectionCounter:
-    """Handshakes in progress on one server (`total`), and connections closed because
-    too many were (`refused`)."""
-    return ConnectionCounter(
-        MAX_TLS_HANDSHAKES, MAX_TLS_HANDSHAKES_PER_IP, what="TLS handshakes in progress"
-    )
-
-
 # What SSLProtocol is made with once a connection is admitted: loop, protocol within,
 # context, handshake timeout.
 _Setup = tuple[asyncio.AbstractEventLoop, asyncio.BaseProtocol, ssl.SSLContext, float]

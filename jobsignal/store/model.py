@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import uuid
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from jobsignal.uuids import name_uuid
 
 OPERATOR_ADD = "add"
 OPERATOR_DELETE = "delete"
@@ -75,8 +76,9 @@ class JobSummary(SignalFields):
         )
 
 
-#: Namespace of jobsignal's event ids (fixed forever: changing it changes every id).
-EVENT_ID_NAMESPACE = uuid.UUID("720fcb38-2424-4a4c-8de0-64942ee0d6d9")
+#: Namespace of jobsignal's event ids, the UUID 720fcb38-2424-4a4c-8de0-64942ee0d6d9
+#: (fixed forever: changing it changes every id).
+EVENT_ID_NAMESPACE = bytes.fromhex("720fcb3824244a4c8de064942ee0d6d9")
 
 
 def event_id(job: JobSummary) -> str:
@@ -109,4 +111,4 @@ def event_id(job: JobSummary) -> str:
         data = value.encode("utf-8", "surrogatepass")
         digest.update(b"%d:" % len(data))
         digest.update(data)
-    return str(uuid.uuid5(EVENT_ID_NAMESPACE, digest.hexdigest()))
+    return name_uuid(EVENT_ID_NAMESPACE, digest.hexdigest())

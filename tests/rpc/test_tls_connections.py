@@ -18,7 +18,8 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from jobsignal.rpc.tls_connections import MAX_TLS_HANDSHAKES_PER_IP, TLS_READ_BUFFER
+from jobsignal.rpc.limits import MAX_TLS_HANDSHAKES_PER_IP
+from jobsignal.rpc.tls_connections import TLS_READ_BUFFER
 from tests.support.grpc_server import ServerHarness, local_settings, open_jobsignal_server
 from tests.support.tls import Pki
 from tests.support.waiting import wait_until

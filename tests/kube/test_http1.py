@@ -1,0 +1,228 @@
+"""The HTTP/1.1 response reader (kube/http1.py): framing, reuse and hostile bytes.
+
+Every response is fed whole and then one byte at a time: the reader must not
+depend on how the bytes were cut.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jobsignal.kube import http1
+from jobsignal.kube.http1 import ProtocolError, ResponseReader, encode_request
+
+
+def read(
+    raw: bytes, *, eof: bool = False, head_request: bool = False
+) -> tuple[http1.ResponseHead, bytes, ResponseReader]:
+    """The head and body of `raw` fed whole, checked equal when fed byte by byte."""
+    results = []
+    for pieces in ([raw], [raw[i : i + 1] for i in range(len(raw))]):
+        reader = ResponseReader(head_request=head_request)
+        head = None
+        body = b""
+        for piece in [*pieces, None]:
+            if piece is None:
+                if not eof:
+                    break
+                reader.feed_eof()
+            else:
+                reader.feed(piece)
+            if head is None:
+                head = reader.read_head()
+            while head is not None and (part := reader.read_body()):
+                body += part
+        assert head is not None
+        if eof:
+            assert reader.read_body() is None
+        results.append((head, body, reader))
+    (whole, body, reader), (bytewise, bytewise_body, _) = results
+    assert (whole, body) == (bytewise, bytewise_body)
+    return whole, body, reader
+
+
+def refused(raw: bytes, *, eof: bool = False) -> str:
+    """The ProtocolError's message for `raw`, fed whole."""
+    reader = ResponseReader()
+    reader.feed(raw)
+    if eof:
+        reader.feed_eof()
+    with pytest.raises(ProtocolError) as error:
+        if reader.read_head() is not None:
+            while reader.read_body() is not None:
+                pass
+    return str(error.value)
+
+
+def test_a_content_length_body_is_read_to_its_length_and_the_connection_is_reusable() -> None:
+    head, body, reader = read(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5\r\n\r\nhello"
+    )
+    assert (head.status, head.reason, head.http_version) == (200, b"OK", b"HTTP/1.1")
+    assert head.headers == [(b"Content-Type", b"application/json"), (b"Content-Length", b"5")]
+    assert body == b"hello"
+    assert reader.ended and reader.reusable
+    assert reader.read_body() is None
+
+
+def test_a_chunked_body_with_extensions_and_trailers() -> None:
+    raw = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5;name=value\r\nhello\r\n1A\r\n" + b"x" * 26 + b"\r\n0\r\nExpires: never\r\n\r\n"
+    )
+    _, body, reader = read(raw)
+    assert body == b"hello" + b"x" * 26
+    assert reader.ended and reader.reusable
+
+
+def test_bare_line_feeds_are_read_as_line_ends() -> None:
+    _, body, reader = read(b"HTTP/1.1 200 OK\nTransfer-Encoding: chunked\n\n3\nabc\n0\n\n")
+    assert body == b"abc" and reader.reusable
+
+
+def test_a_body_without_length_runs_until_the_connection_closes() -> None:
+    _, body, reader = read(b"HTTP/1.1 200 OK\r\n\r\nall of it", eof=True)
+    assert body == b"all of it"
+    assert reader.ended and not reader.reusable
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\r\nConnection: keep-alive, Close\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+        # Both framings: read as chunked, then the connection is not trusted again.
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        # Bytes after the response that nobody asked for.
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nHTTP/1.1 200 OK\r\n",
+    ],
+    ids=["connection-close", "http-1.0", "both-framings", "bytes-after"],
+)
+def test_responses_that_end_the_connection(raw: bytes) -> None:
+    _, body, reader = read(raw)
+    assert body == b""
+    assert reader.ended and not reader.reusable
+
+
+def test_interim_responses_are_skipped() -> None:
+    head, body, _ = read(
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nno"
+    )
+    assert (head.status, body) == (404, b"no")
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_statuses_without_a_body(status: int) -> None:
+    # A length they may carry describes the resource, not a body that follows.
+    _, body, reader = read(b"HTTP/1.1 %d X\r\nContent-Length: 10\r\n\r\n" % status)
+    assert body == b"" and reader.reusable
+
+
+def test_a_head_request_has_no_body() -> None:
+    _, body, reader = read(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n", head_request=True)
+    assert body == b"" and reader.reusable
+
+
+def test_values_of_a_header_are_split_and_gathered() -> None:
+    head, _, _ = read(b"HTTP/1.1 200 OK\r\nVary: a, b\r\nvary: c\r\nContent-Length: 0\r\n\r\n")
+    assert head.values(b"vary") == [b"a", b"b", b"c"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "eof", "message"),
+    [
+        (b"", True, "closed the connection without a response"),
+        (b"HTTP/1.1 200 OK\r\nContent-", True, "before a complete response head"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", False, "not an HTTP/1.x status line"),
+        (b"HTTP/2 200\r\n\r\n", False, "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 20 OK\r\n\r\n", False, "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", False, "invalid header line"),
+        (b"HTTP/1.1 200 OK\r\nName : v\r\n\r\n", False, "invalid header line"),
+        (b"HTTP/1.1 200 OK\r\nA: b\r\n folded\r\n\r\n", False, "invalid header line"),
+        (b"HTTP/1.1 200 OK\r\nA: b\x00c\r\n\r\n", False, "invalid value for header"),
+        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", False, "switched protocols"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", False, "invalid Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n", False, "invalid Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 19 + b"\r\n\r\n", False, "invalid"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", False, "'gzip, chunked'"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nshort", True, "4 bytes short"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", False, "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n", False, "longer"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", True, "in a chunk"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5", True, "chunked body"),
+    ],
+    ids=[
+        "nothing",
+        "head-cut",
+        "not-http",
+        "http2",
+        "status",
+        "no-colon",
+        "space-before-colon",
+        "folded",
+        "nul",
+        "upgrade",
+        "negative-length",
+        "two-lengths",
+        "huge-length",
+        "transfer-coding",
+        "body-cut",
+        "chunk-size",
+        "chunk-too-long",
+        "chunk-cut",
+        "size-line-cut",
+    ],
+)
+def test_malformed_responses_are_refused(raw: bytes, eof: bool, message: str) -> None:
+    assert message in refused(raw, eof=eof)
+
+
+def test_every_unbounded_part_has_a_bound() -> None:
+    assert "longer than 65536" in refused(b"HTTP/1.1 200 OK\r\nA: " + b"a" * 70_000)
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    assert "longer than 1024" in refused(chunked + b"1;" + b"e" * 2000)
+    trailers = chunked + b"0\r\n" + b"T: x\r\n" * 3000 + b"\r\n"
+    assert "trailers longer than 16384" in refused(trailers)
+
+
+def test_a_huge_chunk_is_streamed_not_held() -> None:
+    reader = ResponseReader()
+    reader.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFF\r\n")
+    assert reader.read_head() is not None
+    assert reader.read_body() == b""
+    reader.feed(b"x" * 100)
+    assert reader.read_body() == b"x" * 100
+
+
+def test_read_body_before_the_head_is_a_programming_error() -> None:
+    with pytest.raises(RuntimeError):
+        ResponseReader().read_body()
+
+
+def test_a_request_is_encoded_with_its_headers_and_body() -> None:
+    data = encode_request(
+        "GET", b"/api/v1/configmaps?watch=1", [(b"Host", b"api:6443"), (b"Accept", b" */* ")]
+    )
+    assert (
+        data == b"GET /api/v1/configmaps?watch=1 HTTP/1.1\r\nHost: api:6443\r\nAccept: */*\r\n\r\n"
+    )
+    assert encode_request("POST", b"/x", [], b"{}").endswith(b"\r\n\r\n{}")
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "headers", "message"),
+    [
+        ("GET /x HTTP/1.1\r\n", b"/", [], "invalid HTTP method"),
+        ("GET", b"/a b", [], "invalid request target"),
+        ("GET", b"http://elsewhere/", [], "invalid request target"),
+        ("GET", b"/", [(b"Bad Name", b"v")], "invalid header name"),
+        ("GET", b"/", [(b"Authorization", b"Bearer x\r\nInjected: 1")], "Authorization"),
+    ],
+    ids=["method", "space-in-target", "absolute-target", "header-name", "header-injection"],
+)
+def test_a_request_that_would_not_be_one_request_is_refused(
+    method: str, target: bytes, headers: list[tuple[bytes, bytes]], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        encode_request(method, target, headers)
