@@ -179,8 +179,10 @@ async def _connect(
     request: httpx.Request, server: _Server, tls: ssl.SSLContext | None, within: float | None
 ) -> _Connection:
     scheme, host, port = server
-    if scheme not in _DEFAULT_PORTS or (scheme == "https" and tls is None):
-        raise httpx.UnsupportedProtocol(f"cannot reach {scheme}://{host}", request=request)
+    if scheme not in _DEFAULT_PORTS:
+        raise httpx.UnsupportedProtocol(f"{scheme!r} URLs are not supported", request=request)
+    if scheme == "https" and tls is None:
+        raise httpx.UnsupportedProtocol("https without TLS settings", request=request)
     stream: trio.SocketStream | None = None
     try:
         with trio.fail_after(_seconds(within)):

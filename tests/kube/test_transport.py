@@ -274,7 +274,7 @@ async def test_https_checks_the_certificate(ca: trustme.CA) -> None:
 
 async def test_a_plain_http_transport_refuses_https() -> None:
     async with httpx.AsyncClient(transport=DirectTransport(None)) as api:
-        with pytest.raises(httpx.UnsupportedProtocol):
+        with pytest.raises(httpx.UnsupportedProtocol, match="https without TLS settings"):
             await api.get("https://127.0.0.1:1/")
 
 
