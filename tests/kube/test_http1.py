@@ -7,6 +7,8 @@ depend on how the bytes were cut.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jobsignal.kube import http1
 from jobsignal.kube.http1 import ProtocolError, ResponseReader, encode_request
@@ -226,3 +228,88 @@ def test_a_request_that_would_not_be_one_request_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         encode_request(method, target, headers)
+
+
+# -- properties over generated responses ------------------------------------------------
+
+_BODIES = st.binary(max_size=300)
+
+
+@st.composite
+def framed_responses(draw: st.DrawFn) -> tuple[bytes, bytes, bool]:
+    """A valid response, its body, and whether it leaves the connection reusable."""
+    body = draw(_BODIES)
+    framing = draw(st.sampled_from(["length", "chunked", "close"]))
+    headers = b"".join(
+        b"X-%d: %s\r\n" % (i, value)
+        for i, value in enumerate(
+            draw(st.lists(st.binary(max_size=20).filter(_visible), max_size=4))
+        )
+    )
+    if framing == "length":
+        return (
+            b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s" % (headers, len(body), body),
+            body,
+            True,
+        )
+    if framing == "close":
+        return b"HTTP/1.1 200 OK\r\n%s\r\n%s" % (headers, body), body, False
+    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=5)))
+    chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True) if b > a]
+    encoded = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks)
+    return (
+        b"HTTP/1.1 200 OK\r\n%sTransfer-Encoding: chunked\r\n\r\n%s0\r\n\r\n" % (headers, encoded),
+        body,
+        True,
+    )
+
+
+def _visible(value: bytes) -> bool:
+    return all(0x21 <= byte <= 0x7E for byte in value)
+
+
+def _read_in_pieces(raw: bytes, cuts: list[int]) -> tuple[bytes, bool]:
+    """The body of `raw` fed in the pieces `cuts` makes, then the end of the
+    stream; and whether the connection was reusable before that end."""
+    reader = ResponseReader()
+    body = b""
+    head = None
+    for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True):
+        reader.feed(raw[a:b])
+        head = head or reader.read_head()
+        while head is not None and (part := reader.read_body()):
+            body += part
+    reusable = reader.reusable
+    reader.feed_eof()
+    head = head or reader.read_head()
+    while (part := reader.read_body()) is not None:
+        body += part
+    return body, reusable
+
+
+def _outcome(raw: bytes, cuts: list[int]) -> tuple[bytes, bool] | str:
+    try:
+        return _read_in_pieces(raw, cuts)
+    except ProtocolError as error:
+        return str(error)
+
+
+@settings(max_examples=300, deadline=None)
+@given(framed_responses(), st.lists(st.integers(0, 1000), max_size=8))
+def test_a_response_reads_the_same_however_it_is_cut(
+    response: tuple[bytes, bytes, bool], cuts: list[int]
+) -> None:
+    raw, body, reusable = response
+    assert _read_in_pieces(raw, sorted(min(cut, len(raw)) for cut in cuts)) == (body, reusable)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=400), st.lists(st.integers(0, 400), max_size=4))
+def test_any_bytes_give_one_outcome_however_they_are_cut(raw: bytes, cuts: list[int]) -> None:
+    """A body and reuse verdict, or a ProtocolError; the same whole or in pieces."""
+    raw = b"HTTP/1.1 200 OK\r\n" + raw
+    whole = _outcome(raw, [])
+    pieces = _outcome(raw, sorted(min(cut, len(raw)) for cut in cuts))
+    assert type(whole) is type(pieces)
+    if not isinstance(whole, str):
+        assert whole == pieces

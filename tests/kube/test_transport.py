@@ -92,11 +92,17 @@ def client(server: Server, transport: DirectTransport, **timeouts: Any) -> httpx
     )
 
 
-async def test_a_kept_connection_carries_the_next_request() -> None:
-    async with raw_server(answer_each) as server, client(server, DirectTransport(None)) as api:
-        for _ in range(3):
-            assert (await api.get("/api/v1/configmaps")).text == "ok"
-        assert server.connections == 1
+async def test_a_kept_connection_carries_the_next_request_until_the_client_closes() -> None:
+    async with raw_server(answer_each) as server:
+        async with client(server, DirectTransport(None)) as api:
+            for _ in range(3):
+                assert (await api.get("/api/v1/configmaps")).text == "ok"
+            assert server.connections == 1
+            assert server.endings == []
+        with trio.fail_after(5):
+            while not server.endings:
+                await trio.sleep(0.01)
+        assert server.endings == ["eof"]
         assert server.requests[0].startswith(b"GET /api/v1/configmaps HTTP/1.1\r\n")
         assert b"\r\nHost: 127.0.0.1:" in server.requests[0]
 
