@@ -76,8 +76,9 @@ class DirectTransport(httpx.AsyncBaseTransport):
         except ValueError as error:
             raise httpx.LocalProtocolError(str(error), request=request) from None
         # A kept connection the server has just closed fails before any byte of
-        # a response: the request (a GET) goes again, once, on a new connection.
+        # a response: a GET goes again, once, on a new connection.
         reused = self._take_idle(server)
+        may_resend = request.method in ("GET", "HEAD")
         while True:
             connection = reused or await _connect(request, server, self._tls, connect_within)
             reader = http1.ResponseReader(head_request=request.method == "HEAD")
@@ -87,7 +88,8 @@ class DirectTransport(httpx.AsyncBaseTransport):
                 break
             except httpx.TransportError as error:
                 await trio.aclose_forcefully(connection.stream)
-                if reused is None or reader.received or isinstance(error, httpx.TimeoutException):
+                resend = may_resend and reused is not None and not reader.received
+                if not resend or isinstance(error, httpx.TimeoutException):
                     raise
                 reused = None
             except BaseException:
