@@ -259,7 +259,12 @@ def _seconds(within: float | None) -> float:
 
 
 def _reason(failure: BaseException) -> str:
-    """What went wrong, from the OS or OpenSSL error under trio's wrapper."""
-    cause = failure.__cause__ if isinstance(failure, trio.BrokenResourceError) else None
-    shown = cause or failure
-    return str(shown) or type(shown).__name__
+    """What went wrong: the OS or OpenSSL error under trio's wrapper, with the
+    errors of every address tried when a connection could not be made."""
+    cause = failure.__cause__
+    if isinstance(failure, trio.BrokenResourceError) and cause is not None:
+        failure = cause
+    text = str(failure) or type(failure).__name__
+    if isinstance(cause, BaseExceptionGroup):  # trio's open_tcp_stream: one per address
+        text += f" ({'; '.join(sorted({str(error) for error in cause.exceptions}))})"
+    return text
