@@ -434,7 +434,9 @@ class _Connection:
     async def serve(self) -> None:
         while self.emu.state.epoch == self.epoch:
             request = await self._next_request()
-            if request is None:
+            if request is None or self.emu.state.epoch != self.epoch:
+                # (A request that arrived as the server restarted is dropped unread,
+                # as the old server's connection would be, and takes no fault.)
                 return
             head, body = request
             try:
