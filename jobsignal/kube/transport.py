@@ -9,9 +9,9 @@ raised (ConnectError, ReadTimeout, RemoteProtocolError, ...), so `kube.api`
 translates httpx's errors alone. A cluster behind a proxy uses httpx's own
 transport instead (`kube.api.open_kube_client`): CONNECT tunnels stay httpx's.
 
-Why not httpcore: it imports anyio and its sync half, and httpx builds an
-SSLContext for every client, TLS or not; together about 1.3 MB of an idle
-server's 40 (docs/architecture.md section 10, "Memory at idle").
+Why not httpcore: it imports anyio, h11 and its sync half, and httpx builds
+an SSLContext for every client, TLS or not; together about 1.7 MB of an
+idle server's 40 (docs/architecture.md section 10, "Memory at idle").
 """
 
 from __future__ import annotations
