@@ -711,6 +711,25 @@ async def test_restart_closes_idle_connections(
     assert emu.stats.connections == 2
 
 
+async def test_a_request_arriving_as_the_server_restarts_is_dropped_and_takes_no_fault(
+    emu: KubeEmulator,
+) -> None:
+    # A memory stream, so the request is delivered and the restart made before
+    # the connection's task has run: the order a socket leaves to chance.
+    client, server_end = trio.testing.memory_stream_pair()
+    emu.faults.push(ExpireWatch())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(emu._serve_connection, server_end)
+        await trio.testing.wait_all_tasks_blocked()  # waiting for a request: idle
+        request = b"GET /api/v1/configmaps?watch=1 HTTP/1.1\r\nHost: api\r\n"
+        await client.send_all(request + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+        emu.restart(lose_history=False)
+        with trio.fail_after(5):
+            assert await client.receive_some() == b""  # closed unanswered
+    assert emu.stats.faults_applied == 0
+    assert emu.faults.take("watch") == ExpireWatch()  # still there for the next watch
+
+
 async def test_restart_can_drop_connections(emu: KubeEmulator, client: httpx.AsyncClient) -> None:
     async with watch(client, "/api/v1/configmaps") as w:
         await emu.wait_open_watches(1)

@@ -260,7 +260,7 @@ class KubeEmulator:
         scheme, _, credentials = authorization.partition(" ")
         return scheme.lower() == "bearer" and credentials.strip() in self._tokens
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
         self.stats.connections += 1
         self.stats.open_connections += 1
         self._bump()
