@@ -7,6 +7,7 @@ import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -791,7 +792,8 @@ class TlsServer:
 async def tls_server(context: ssl.SSLContext) -> AsyncIterator[TlsServer]:
     server = TlsServer()
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(trio.serve_ssl_over_tcp, server.handle, 0, context)
+        serving = partial(trio.serve_ssl_over_tcp, server.handle, 0, context, host="127.0.0.1")
+        listeners = await nursery.start(serving)
         server.port = listeners[0].transport_listener.socket.getsockname()[1]
         yield server
         nursery.cancel_scope.cancel()

@@ -12,6 +12,7 @@ import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import httpx
@@ -25,6 +26,7 @@ from jobsignal.kube.credentials import KubeConnection
 from jobsignal.kube.transport import IDLE_EXPIRY, DirectTransport
 from tests.support.tls import server_context
 
+LOOPBACK = "127.0.0.1"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
@@ -71,9 +73,10 @@ async def raw_server(
 
     async with trio.open_nursery() as nursery:
         if context is None:
-            listeners = await nursery.start(trio.serve_tcp, serve, 0)
+            listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host=LOOPBACK))
         else:
-            listeners = await nursery.start(trio.serve_ssl_over_tcp, serve, 0, context)
+            serving = partial(trio.serve_ssl_over_tcp, serve, 0, context, host=LOOPBACK)
+            listeners = await nursery.start(serving)
         socket = getattr(listeners[0], "transport_listener", listeners[0]).socket
         server.port = socket.getsockname()[1]
         yield server
