@@ -8,6 +8,7 @@ and reused, a kept connection the server closed, timeouts (virtual time,
 
 from __future__ import annotations
 
+import gzip
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -241,6 +242,22 @@ async def test_a_body_is_streamed_as_it_arrives_and_abandoning_it_closes_the_con
         assert server.endings == ["eof"]
         assert (await api.get("/")).text == "ok"  # on a new connection
         assert server.connections == 2
+
+
+async def test_a_gzipped_body_is_decoded_by_httpx_above_the_transport() -> None:
+    # The API server compresses large responses when asked (httpx asks).
+    document = b'{"kind": "ConfigMapList", "items": []}' * 100
+    packed = gzip.compress(document)
+
+    async def gzipped(server: Server, stream: trio.abc.Stream, number: int) -> None:
+        await server.read_request(stream)
+        head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+        await stream.send_all(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(packed), packed))
+
+    async with raw_server(gzipped) as server, client(server, DirectTransport(None)) as api:
+        response = await api.get("/api/v1/configmaps")
+        assert response.content == document
+        assert b"gzip" in server.requests[0].lower().split(b"accept-encoding:")[1].split(b"\r\n")[0]
 
 
 async def test_hostile_bytes_are_a_remote_protocol_error() -> None:
