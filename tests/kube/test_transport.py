@@ -26,6 +26,7 @@ from jobsignal.kube.api import open_kube_client
 from jobsignal.kube.credentials import KubeConnection
 from jobsignal.kube.transport import IDLE_EXPIRY, DirectTransport
 from tests.support.tls import server_context
+from tests.support.waiting import wait_until
 
 LOOPBACK = "127.0.0.1"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -103,9 +104,7 @@ async def test_a_kept_connection_carries_the_next_request_until_the_client_close
                 assert (await api.get("/api/v1/configmaps")).text == "ok"
             assert server.connections == 1
             assert server.endings == []
-        with trio.fail_after(5):
-            while not server.endings:
-                await trio.sleep(0.01)
+        await wait_until(lambda: bool(server.endings), within=5, what="the connection closed")
         assert server.endings == ["eof"]
         assert server.requests[0].startswith(b"GET /api/v1/configmaps HTTP/1.1\r\n")
         assert b"\r\nHost: 127.0.0.1:" in server.requests[0]
@@ -116,9 +115,7 @@ async def test_without_keep_alive_every_request_has_its_own_connection() -> None
     async with raw_server(answer_each) as server, client(server, transport) as api:
         for _ in range(3):
             assert (await api.get("/")).text == "ok"
-        with trio.fail_after(5):
-            while len(server.endings) < 3:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(server.endings) == 3, within=5, what="3 connections closed")
         assert server.connections == 3
         assert server.endings == ["eof"] * 3  # each closed by the client once read
 
@@ -131,9 +128,7 @@ async def test_a_kept_connection_the_server_closed_is_not_used() -> None:
 
     async with raw_server(answer_once) as server, client(server, DirectTransport(None)) as api:
         assert (await api.get("/")).text == "ok"
-        with trio.fail_after(5):
-            while not server.endings:
-                await trio.sleep(0.01)
+        await wait_until(lambda: bool(server.endings), within=5, what="the server's close")
         assert (await api.get("/")).text == "ok"
         assert server.connections == 2
 
@@ -237,8 +232,7 @@ async def test_a_body_is_streamed_as_it_arrives_and_abandoning_it_closes_the_con
                 release.set()
                 assert await pieces.__anext__() == b"event2"
                 await pieces.aclose()
-            while not server.endings:
-                await trio.sleep(0.01)
+        await wait_until(lambda: bool(server.endings), within=5, what="the connection closed")
         assert server.endings == ["eof"]
         assert (await api.get("/")).text == "ok"  # on a new connection
         assert server.connections == 2
@@ -304,24 +298,34 @@ async def test_a_plain_http_transport_refuses_https() -> None:
             await api.get("https://127.0.0.1:1/")
 
 
+def without_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+
+
+def plain_http_connection(base_url: str, proxy: str | None = None) -> KubeConnection:
+    return KubeConnection(
+        base_url=base_url,
+        verify=None,
+        token_source=None,
+        description="test",
+        default_namespace=None,
+        proxy=proxy,
+    )
+
+
 @pytest.mark.parametrize("via", ["proxy-url", "HTTP_PROXY"])
 async def test_a_proxy_carries_the_requests_when_one_is_configured(
     via: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with raw_server(answer_each) as proxy:
         proxy_url = f"http://127.0.0.1:{proxy.port}"
-        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
-            monkeypatch.delenv(name, raising=False)
-            monkeypatch.delenv(name.lower(), raising=False)
+        without_proxy_environment(monkeypatch)
         if via == "HTTP_PROXY":
             monkeypatch.setenv("HTTP_PROXY", proxy_url)
-        connection = KubeConnection(
-            base_url="http://api.cluster.example:8080",
-            verify=None,
-            token_source=None,
-            description="test",
-            default_namespace=None,
-            proxy=proxy_url if via == "proxy-url" else None,
+        connection = plain_http_connection(
+            "http://api.cluster.example:8080", proxy=proxy_url if via == "proxy-url" else None
         )
         async with open_kube_client(connection, timeout=httpx.Timeout(5.0)) as api:
             assert (await api.get("/version")).text == "ok"
@@ -332,17 +336,9 @@ async def test_a_proxy_carries_the_requests_when_one_is_configured(
 async def test_without_a_proxy_the_client_goes_straight_to_the_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.lower(), raising=False)
+    without_proxy_environment(monkeypatch)
     async with raw_server(answer_each) as server:
-        connection = KubeConnection(
-            base_url=f"http://127.0.0.1:{server.port}",
-            verify=None,
-            token_source=None,
-            description="test",
-            default_namespace=None,
-        )
+        connection = plain_http_connection(f"http://127.0.0.1:{server.port}")
         async with open_kube_client(connection, timeout=httpx.Timeout(5.0)) as api:
             assert (await api.get("/version")).text == "ok"
         assert server.requests[0].startswith(b"GET /version HTTP/1.1\r\n")
