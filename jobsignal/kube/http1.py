@@ -138,8 +138,7 @@ class ResponseReader:
                         else "the server closed the connection without a response"
                     )
                 return None
-            raw = bytes(self._buffer[: end.start()])
-            del self._buffer[: end.end()]
+            raw = self._take(end.start(), separator=len(end.group()))
             head = _parse_head(raw)
             if head.status == 101:
                 raise ProtocolError("the server switched protocols, which was not asked for")
@@ -192,9 +191,12 @@ class ResponseReader:
             return b""
         return self._take_chunked()
 
-    def _take(self, size: int) -> bytes:
-        piece = bytes(self._buffer[:size])
-        del self._buffer[:size]
+    def _take(self, size: int, *, separator: int = 0) -> bytes:
+        """The first `size` bytes held (copied once), removed with the `separator`
+        bytes that follow them."""
+        with memoryview(self._buffer) as held:
+            piece = bytes(held[:size])
+        del self._buffer[: size + separator]
         return piece
 
     def _take_length(self) -> bytes | None:
@@ -248,9 +250,7 @@ class ResponseReader:
             if len(self._buffer) > limit:
                 raise ProtocolError(f"a line of the chunked body is longer than {limit} bytes")
             return None
-        line = bytes(self._buffer[: end.start()])
-        del self._buffer[: end.end()]
-        return line
+        return self._take(end.start(), separator=len(end.group()))
 
     def _need_more(self, where: str) -> bytes:
         if self._eof:
