@@ -8,7 +8,8 @@ reflection is the one caller of the protobuf runtime, loaded on its first call
 `jobsignal serve` with text logs loads neither the client commands,
 jobsignal's gRPC client (with grpclib's), shtab nor python-json-logger; nor,
 watching a plain-http cluster (the demo's), httpcore with anyio, the
-in-process events API or the TLS modules, and it makes no SSLContext.
+in-process events API or the TLS modules, and it makes no SSLContext; nor
+importlib.metadata with zipfile (jobsignal/betterproto_version.py).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ async def main():
                 "jobsignal.client", "jobsignal.client_cli", "grpclib.client", "shtab",
                 "jobsignal.json_logs", "pythonjsonlogger", "httpcore", "anyio",
                 "jobsignal.events", "jobsignal.embed", "jobsignal.rpc.tls",
-                "jobsignal.rpc.tls_connections",
+                "jobsignal.rpc.tls_connections", "importlib.metadata", "zipfile",
             )
         )
         print(json.dumps({"loaded": loaded, "ssl_contexts": contexts}))
