@@ -14,12 +14,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import uuid
 
 import trio
 
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, run_emulator
+from jobsignal.uuids import random_uuid
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +41,15 @@ async def play_scenario(state: ConfigMapStore, step: float = 2.0) -> None:
     """Forever: a round of jobs through their whole lifecycle, `step` seconds apart."""
     for round_number in itertools.count(1):
         jobs = [
-            ClusterdJob(NAMESPACE, f"resnet50-{round_number}", str(uuid.uuid4()), servers=2),
+            ClusterdJob(NAMESPACE, f"resnet50-{round_number}", random_uuid(), servers=2),
             ClusterdJob(
                 NAMESPACE,
                 f"llama-70b-{round_number}",
-                str(uuid.uuid4()),
+                random_uuid(),
                 servers=96,
                 servers_per_configmap=40,
             ),
-            ClusterdJob(
-                NAMESPACE, f"bert-{round_number}", str(uuid.uuid4()), framework="mindspore"
-            ),
+            ClusterdJob(NAMESPACE, f"bert-{round_number}", random_uuid(), framework="mindspore"),
         ]
         finals = ["complete", "complete", "failed"]
         for job in jobs:

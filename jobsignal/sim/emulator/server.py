@@ -14,7 +14,6 @@ import json
 import math
 import re
 import ssl
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from jobsignal.sim.emulator.state import (
     Subscription,
     default_reason,
 )
+from jobsignal.uuids import random_uuid
 
 #: Besides the periodic ones, the API server sends a bookmark just before a watch
 #: times out (it aims about two seconds early), so the client can resume from it.
@@ -346,7 +346,7 @@ def _encode(obj: Mapping[str, Any]) -> bytes:
     def mark(value: object) -> str:
         if not isinstance(value, RawJson):
             raise TypeError(f"cannot encode {type(value).__name__}")
-        marker = f"raw-json-{uuid.uuid4().hex}"
+        marker = f"raw-json-{random_uuid()}"
         spliced[marker] = value.text
         return marker
 

@@ -17,13 +17,14 @@ import dataclasses
 import json
 import re
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import trio
+
+from jobsignal.uuids import random_uuid
 
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
 
@@ -549,7 +550,7 @@ class ConfigMapStore:
         history_size: int = 1000,
         initial_resource_version: int = 1,
         wall_clock: Callable[[], float] = time.time,
-        new_uid: Callable[[], str] = lambda: str(uuid.uuid4()),
+        new_uid: Callable[[], str] = random_uuid,
     ) -> None:
         if history_size < 0:
             raise ValueError("history_size must be >= 0")
