@@ -8,8 +8,9 @@ reflection is the one caller of the protobuf runtime, loaded on its first call
 `jobsignal serve` with text logs loads neither the client commands,
 jobsignal's gRPC client (with grpclib's), shtab nor python-json-logger; nor,
 watching a plain-http cluster (the demo's), httpcore with anyio, the
-in-process events API or the TLS modules, and it makes no SSLContext; nor
-importlib.metadata with zipfile (jobsignal/betterproto_version.py).
+in-process events API, the TLS modules or the exec plugin runner, and it
+makes no SSLContext; nor importlib.metadata with zipfile
+(jobsignal/betterproto_version.py).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ async def main():
                 "jobsignal.json_logs", "pythonjsonlogger", "httpcore", "anyio",
                 "jobsignal.events", "jobsignal.embed", "jobsignal.rpc.tls",
                 "jobsignal.rpc.tls_connections", "importlib.metadata", "zipfile",
+                "jobsignal.kube.exec_credentials",
             )
         )
         print(json.dumps({"loaded": loaded, "ssl_contexts": contexts}))

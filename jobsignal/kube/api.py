@@ -18,17 +18,20 @@ import ssl
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import trio
 
 from jobsignal.kube import documents
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, load_client_certificate
-from jobsignal.kube.exec_credentials import ExecCredentialError, ExecCredentials
+from jobsignal.kube.exec_plugin import ExecCredentialError
 from jobsignal.kube.transport import DirectTransport
 from jobsignal.logs import RateLimitedLog
 from jobsignal.version import __version__
+
+if TYPE_CHECKING:
+    from jobsignal.kube.exec_credentials import ExecCredentials
 
 log = logging.getLogger(__name__)
 

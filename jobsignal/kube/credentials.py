@@ -33,11 +33,14 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from jobsignal.kube.exec_credentials import API_VERSIONS, ExecCredentials, ExecPlugin, exec_info
+from jobsignal.kube.exec_plugin import API_VERSIONS, ExecPlugin, exec_info
 from jobsignal.text import quote
+
+if TYPE_CHECKING:
+    from jobsignal.kube.exec_credentials import ExecCredentials
 
 __all__ = [
     "SERVICE_ACCOUNT_ROOT",
@@ -670,6 +673,9 @@ def _user_credentials(
                 f"{where} sets both exec and {' and '.join(static)}; keep only one way "
                 "to authenticate"
             )
+        # Imported here: a kubeconfig without an exec user needs none of the runner.
+        from jobsignal.kube.exec_credentials import ExecCredentials
+
         plugin = ExecCredentials(_exec_plugin(user, exec_body, where, exec_cluster))
         return _Credentials(None, plugin, plugin.description)
 

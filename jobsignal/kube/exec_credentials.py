@@ -17,8 +17,9 @@ Failures are :class:`ExecCredentialError` with a one-line message naming the
 plugin and kubeconfig entry; plugin output is never quoted (it holds the
 secret), its standard error at most ~200 characters.
 
-Parsing the kubeconfig ``exec`` stanza is kube.credentials' job; applying the
-credential to requests is kube.api's.
+Parsing the kubeconfig ``exec`` stanza is kube.credentials' job (into a
+kube.exec_plugin ``ExecPlugin``); applying the credential to requests is
+kube.api's.
 """
 
 from __future__ import annotations
@@ -36,24 +37,13 @@ from typing import Any
 
 import trio
 
+from jobsignal.kube.exec_plugin import ExecCredentialError, ExecPlugin
 from jobsignal.text import quote
 
-__all__ = [
-    "API_VERSIONS",
-    "EXEC_INFO_ENV",
-    "MAX_STDOUT",
-    "RUN_TIMEOUT",
-    "ExecCredential",
-    "ExecCredentialError",
-    "ExecCredentials",
-    "ExecPlugin",
-    "exec_info",
-]
+__all__ = ["EXEC_INFO_ENV", "MAX_STDOUT", "RUN_TIMEOUT", "ExecCredential", "ExecCredentials"]
 
 log = logging.getLogger(__name__)
 
-#: The ExecCredential versions client-go still speaks (v1alpha1 was removed in 1.24).
-API_VERSIONS = ("client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1")
 EXEC_INFO_ENV = "KUBERNETES_EXEC_INFO"
 #: Seconds a plugin may run before it is killed.
 RUN_TIMEOUT = 30.0
@@ -65,47 +55,6 @@ MAX_STDERR_KEPT = 16 * 1024
 #: tenth of its lifetime, so a short-lived credential is still reused.
 REFRESH_MARGIN = 30.0
 STDERR_QUOTE = 200
-
-
-class ExecCredentialError(Exception):
-    """The plugin could not provide a credential; the message is one line, without secrets."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
-
-
-@dataclass(frozen=True)
-class ExecPlugin:
-    """A kubeconfig user's ``exec`` stanza, checked and resolved."""
-
-    #: The program, made absolute when the kubeconfig gives a relative path.
-    command: str
-    args: tuple[str, ...]
-    #: The entry's ``env`` list; values may be secrets, so they stay out of repr.
-    env: tuple[tuple[str, str], ...] = field(repr=False)
-    api_version: str
-    #: The JSON for ``KUBERNETES_EXEC_INFO`` (see :func:`exec_info`).
-    exec_info: str = field(repr=False)
-    #: ``exec plugin 'aws' of user 'u' in kubeconfig /path``: where errors point.
-    label: str
-    install_hint: str | None = None
-
-
-def exec_info(api_version: str, cluster: Mapping[str, Any] | None) -> str:
-    """The ``KUBERNETES_EXEC_INFO`` value: an ExecCredential request.
-
-    ``spec.interactive`` is always false (jobsignal has no terminal);
-    ``spec.cluster`` is present only when the kubeconfig sets
-    ``provideClusterInfo: true``. *cluster* holds the fields of the
-    client.authentication.k8s.io ``Cluster`` type (``server``,
-    ``certificate-authority-data`` as base64, ``config``, ...).
-    """
-    spec: dict[str, Any] = {"interactive": False}
-    if cluster is not None:
-        spec["cluster"] = dict(cluster)
-    document = {"apiVersion": api_version, "kind": "ExecCredential", "spec": spec}
-    # default=str: YAML may hand dates inside the config extension.
-    return json.dumps(document, separators=(",", ":"), default=str)
 
 
 @dataclass(frozen=True, eq=False)

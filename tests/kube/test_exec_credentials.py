@@ -31,12 +31,8 @@ import trustme
 import jobsignal
 from jobsignal.kube.api import ApiUnavailable, KubeApi, Unauthorized, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, load_kubeconfig
-from jobsignal.kube.exec_credentials import (
-    MAX_STDOUT,
-    RUN_TIMEOUT,
-    ExecCredentialError,
-    ExecCredentials,
-)
+from jobsignal.kube.exec_credentials import MAX_STDOUT, RUN_TIMEOUT, ExecCredentials
+from jobsignal.kube.exec_plugin import ExecCredentialError
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from tests.support.cluster import Cluster, write_kubeconfig
