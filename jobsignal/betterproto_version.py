@@ -3,7 +3,8 @@
 betterproto2 (0.10) reads its own version when it is imported, through
 `importlib.metadata.version`; that loads importlib.metadata with zipfile, its
 compression modules and importlib.resources, 0.7 MB of an idle server's
-memory that nothing else uses (docs/architecture.md, "Memory at idle"). Its
+memory that the server itself never needs (docs/architecture.md, "Memory at
+idle"). Its
 private module `betterproto2._version` holds just that version and the check
 our generated code runs when it is imported (`check_compiler_version`: the
 runtime and the compiler that generated `jobsignal/_proto` must agree on
