@@ -18,7 +18,7 @@ import ssl
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
 from contextlib import aclosing, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import httpx
 import trio
@@ -62,6 +62,10 @@ class Throttled(ApiError):
 
 class BadResponse(ApiError):
     """A response that is not what the Kubernetes API sends (bad JSON, wrong shape)."""
+
+
+class PageTooLarge(BadResponse):
+    """A LIST page over `KubeApi`'s byte bound: ask for fewer ConfigMaps a page."""
 
 
 class TokenProvider(Protocol):
@@ -186,6 +190,16 @@ def configmaps_path(namespace: str | None) -> str:
     return "/api/v1/configmaps"
 
 
+# The most bytes of one LIST page read (decoded, if the server compressed it):
+# what a hostile or broken server can make the watcher hold. 500 job-summary
+# ConfigMaps of 40 servers each (27 KB) take about 13 MB; ClusterD's largest
+# slices, 1,000 servers (0.7 MB each), would not fit 500 to a page, so a page
+# over the bound is asked for again in smaller pages (kube/watcher.py), down
+# to one ConfigMap, which fits with room to spare: at most 1 MiB of data, even
+# JSON-escaped (6 bytes for 1), with its metadata.
+MAX_LIST_PAGE_BYTES = 64 * 1024 * 1024
+
+
 class KubeApi:
     def __init__(
         self,
@@ -193,10 +207,12 @@ class KubeApi:
         tokens: TokenProvider | None,
         *,
         read_timeout: float,
+        max_page_bytes: int = MAX_LIST_PAGE_BYTES,
     ) -> None:
         self._client = client
         self._tokens = tokens
         self._read_timeout = read_timeout
+        self._max_page_bytes = max_page_bytes
         self._faults = RateLimitedLog(log)
 
     def _decode(self, data: bytes, what: str) -> Any:
@@ -225,21 +241,37 @@ class KubeApi:
         return headers
 
     async def list_page(self, namespace: str | None, params: Mapping[str, str]) -> dict[str, Any]:
-        """One page of a ConfigMap LIST, as the decoded ConfigMapList."""
+        """One page of a ConfigMap LIST, as the decoded ConfigMapList.
+
+        The body is read up to the byte bound and no further: a longer one is
+        `PageTooLarge`, an error's body is read up to 64 KiB for its message.
+        """
         try:
             with trio.fail_after(self._read_timeout):
-                response = await self._client.get(
-                    configmaps_path(namespace), params=dict(params), headers=self._headers()
+                request = self._client.build_request(
+                    "GET", configmaps_path(namespace), params=dict(params), headers=self._headers()
                 )
+                response = await self._client.send(request, stream=True)
+                try:
+                    if response.status_code != 200:
+                        body = await _read_bounded(response)
+                        raise _error_for(response.status_code, body, response.headers)
+                    content = await _read_within(response, self._max_page_bytes)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await response.aclose()
         except (httpx.HTTPError, trio.TooSlowError, OSError) as error:
             raise ApiUnavailable(f"LIST failed: {_describe(error)}") from None
         except (ExecCredentialError, KubeConfigError) as error:
             # A plugin that failed now may work later (its identity provider was down).
             raise ApiUnavailable(f"LIST failed: no credentials: {error}") from None
-        if response.status_code != 200:
-            raise _error_for(response.status_code, response.content, response.headers)
+        if content is None:
+            raise PageTooLarge(
+                f"LIST page of up to {params.get('limit', 'all')} ConfigMaps is over"
+                f" {self._max_page_bytes} bytes"
+            )
         try:
-            page = self._decode(response.content, "LIST response")
+            page = self._decode(content, "LIST response")
         except ValueError:
             raise BadResponse("LIST response is not JSON") from None
         if not isinstance(page, dict) or not isinstance(page.get("items", []), list):
@@ -365,6 +397,22 @@ async def _next_lines(chunks: AsyncIterator[bytes], lines: LineSplitter) -> list
         if ready := lines.feed(chunk):
             return ready
     return lines.finish()
+
+
+async def _read_within(response: httpx.Response, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it is over `limit` bytes (the rest unread)."""
+    chunks: list[bytes] = []
+    size = 0
+    # An async generator (httpx types it as an iterator), closed here when the
+    # rest of the body is left unread rather than by the garbage collector.
+    body = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
+    async with aclosing(body):
+        async for chunk in body:
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _read_bounded(response: httpx.Response, limit: int = 64 * 1024) -> bytes:

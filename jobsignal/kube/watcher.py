@@ -31,6 +31,7 @@ from jobsignal.kube.api import (
     BadResponse,
     Gone,
     KubeApi,
+    PageTooLarge,
     Throttled,
     Unauthorized,
 )
@@ -254,7 +255,23 @@ class Watcher:
         async with background_tasks() as nursery:
             fetch = await _PageFetch.start(nursery, self._api, namespace, params)
             while True:
-                page = await fetch.page()
+                try:
+                    page = await fetch.page()
+                except PageTooLarge as error:
+                    # The same page again (the same continue token), half as many
+                    # ConfigMaps at a time, for the rest of this LIST.
+                    limit = int(params["limit"])
+                    if limit == 1:
+                        raise
+                    params = {**params, "limit": str(limit // 2)}
+                    log.warning(
+                        "LIST of %s: %s; asking for %d at a time",
+                        namespace or "all namespaces",
+                        error,
+                        limit // 2,
+                    )
+                    fetch = await _PageFetch.start(nursery, self._api, namespace, params)
+                    continue
                 metadata = _mapping(page.get("metadata"))
                 token = metadata.get("continue")
                 if token:

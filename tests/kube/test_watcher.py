@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -153,6 +154,56 @@ async def test_paged_list_assembles_every_item(io_clock: trio.testing.MockClock)
         assert [s["server_name"] for s in hccl(big)["server_list"]] == [
             f"node-{i}" for i in range(7)
         ]
+
+
+async def page_bytes(emu: KubeEmulator, limit: int) -> int:
+    """The size of the first LIST page of `limit` ConfigMaps, as the emulator sends it."""
+    async with httpx.AsyncClient(base_url=emu.url) as client:
+        response = await client.get(
+            "/api/v1/configmaps", params={"labelSelector": SELECTOR, "limit": str(limit)}
+        )
+    return len(response.content)
+
+
+async def test_a_page_over_the_byte_bound_is_asked_for_again_in_halves(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        for name in "abcdef":
+            cluster.write(clusterd_job(name, servers=3), "running")
+        # Room for two ConfigMaps a page, not for four.
+        bound = (await page_bytes(emu, 2) + await page_bytes(emu, 4)) // 2
+        asked_before = len(lists(emu))
+        async with open_watcher(emu, WatchSettings(page_size=4), max_page_bytes=bound) as harness:
+            await harness.watch_open()
+            await harness.caught_up(cluster)
+            assert harness.watcher.counters.lists == 1
+            assert harness.watcher.counters.errors == 0
+        pages = lists(emu)[asked_before:]
+        assert [page["limit"] for page in pages] == ["4", "2", "2", "2"]
+        # The refused first page is asked for again as it was, only smaller.
+        assert "continue" not in pages[0] and "continue" not in pages[1]
+        assert len({page["continue"] for page in pages[2:]}) == 2
+        assert len(harness.log.live()) == 6
+
+
+async def test_a_single_configmap_over_the_byte_bound_fails_the_list_and_it_is_retried(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    async with open_emulator() as emu:
+        cluster = Cluster(emu.state)
+        cluster.write(clusterd_job("a", servers=3), "running")
+        cluster.write(clusterd_job("b", servers=3), "running")
+        bound = await page_bytes(emu, 1) // 2
+        asked_before = len(lists(emu))
+        settings = WatchSettings(page_size=2, backoff_initial=1.0, backoff_max=1.0)
+        async with open_watcher(emu, settings, max_page_bytes=bound) as harness:
+            await wait_until(lambda: harness.watcher.counters.errors >= 2, within=30)
+            assert not harness.status.ready.is_set()
+            assert f"over {bound} bytes" in harness.status.problem
+        limits = [page["limit"] for page in lists(emu)[asked_before:]]
+        assert limits[:4] == ["2", "1", "2", "1"]  # each LIST starts at the full page size
 
 
 async def test_clean_watch_end_resumes_from_the_last_version_without_relist(

@@ -21,7 +21,7 @@ from jobsignal._proto.job import JobSummarySignal
 from jobsignal.app import choose_connection, run_source
 from jobsignal.config import load_config
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.kube.api import KubeApi, TokenProvider
+from jobsignal.kube.api import MAX_LIST_PAGE_BYTES, KubeApi, TokenProvider
 from jobsignal.kube.transport import DirectTransport
 from jobsignal.kube.watcher import Credentials, Watcher, WatchSettings
 from jobsignal.sim.emulator import KubeEmulator
@@ -98,6 +98,7 @@ async def open_watcher(
     tokens: TokenProvider | None = None,
     credentials: Credentials | None = None,
     read_timeout: float = 90.0,
+    max_page_bytes: int = MAX_LIST_PAGE_BYTES,
     rng: Callable[[], float] = lambda: 0.5,
     on_response: Callable[[httpx.Response], None] | None = None,
     on_publish: Callable[[Sequence[JobSummary]], None] | None = None,
@@ -136,7 +137,7 @@ async def open_watcher(
         ) as client,
         trio.open_nursery() as nursery,
     ):
-        api = KubeApi(client, tokens, read_timeout=read_timeout)
+        api = KubeApi(client, tokens, read_timeout=read_timeout, max_page_bytes=max_page_bytes)
         watcher = Watcher(
             api,
             store,
