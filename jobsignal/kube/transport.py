@@ -69,9 +69,15 @@ class DirectTransport(httpx.AsyncBaseTransport):
         server = (url.scheme, url.host, url.port or _DEFAULT_PORTS.get(url.scheme, 0))
         if "transfer-encoding" in request.headers:
             raise httpx.LocalProtocolError("streamed request bodies are not sent", request=request)
+        headers = request.headers.raw
+        if not self._keep_alive:
+            # Said, so that the server does not keep the connection for us either
+            # (httpx's own default header says keep-alive).
+            headers = [(n, v) for n, v in headers if n.lower() != b"connection"]
+            headers.append((b"Connection", b"close"))
         try:
             data = http1.encode_request(
-                request.method, url.raw_path, request.headers.raw, await request.aread()
+                request.method, url.raw_path, headers, await request.aread()
             )
         except ValueError as error:
             raise httpx.LocalProtocolError(str(error), request=request) from None

@@ -118,6 +118,9 @@ async def test_without_keep_alive_every_request_has_its_own_connection() -> None
         await wait_until(lambda: len(server.endings) == 3, within=5, what="3 connections closed")
         assert server.connections == 3
         assert server.endings == ["eof"] * 3  # each closed by the client once read
+        assert len(server.requests) == 3
+        assert all(b"\r\nConnection: close\r\n" in request for request in server.requests)
+        assert not any(b"keep-alive" in request for request in server.requests)
 
 
 async def test_a_kept_connection_the_server_closed_is_not_used() -> None:
