@@ -261,7 +261,7 @@ class Watcher:
                     # The same page again (the same continue token), half as many
                     # ConfigMaps at a time, for the rest of this LIST.
                     limit = int(params["limit"])
-                    if limit == 1:
+                    if limit <= 1:
                         raise
                     params = {**params, "limit": str(limit // 2)}
                     log.warning(
