@@ -452,12 +452,16 @@ class Broadcaster:
         """Encode a signal; one above the send limit goes out without its rank table
         (docs/architecture.md section 2: the rule for huge jobs) rather than killing
         every stream."""
-        signal = encode_signal(job, event_uuid)
         # Headroom for the list wrapper (tag, length, ReportTime, JobTotalNum).
-        if len(signal) + 64 > self._max_message_bytes:
-            self.stats.rank_tables_stripped += 1
-            signal = encode_signal(job, event_uuid, strip_rank_table=True)
-        return signal
+        room = self._max_message_bytes - 64
+        # A table of more characters than that is more bytes still: stripped
+        # without encoding it first.
+        if len(job.hccl_json) <= room:
+            signal = encode_signal(job, event_uuid)
+            if len(signal) <= room:
+                return signal
+        self.stats.rank_tables_stripped += 1
+        return encode_signal(job, event_uuid, strip_rank_table=True)
 
     def _now_ms(self) -> int:
         return int(self._wall_clock() * 1000)

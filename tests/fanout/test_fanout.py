@@ -10,8 +10,10 @@ import trio
 
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
+from jobsignal.fanout import broadcaster as broadcaster_module
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list, signal_message
 from jobsignal.fanout.subscriber import COALESCE_ABOVE, Subscriber
+from jobsignal.store.model import JobSummary
 from tests.support.factories import make_job
 from tests.support.grpcio import expected_signal
 
@@ -48,6 +50,34 @@ async def test_one_encoding_per_event_shared_by_all_subscribers() -> None:
     broadcaster.publish([small_job(job_id="a")])
     frames = [(await s.next_batch(10))[0] for s in subs]
     assert frames[0] is frames[1] is frames[2]
+
+
+@pytest.mark.parametrize(
+    ("extra", "encodings", "stripped"),
+    [
+        (-200, [False], False),  # fits with room to spare
+        (-40, [False, True], True),  # fits alone, not with the signal's other fields
+        (1, [True], True),  # more characters than the limit: not encoded whole at all
+    ],
+)
+def test_a_signal_over_the_send_limit_goes_without_its_rank_table(
+    monkeypatch: pytest.MonkeyPatch, extra: int, encodings: list[bool], stripped: bool
+) -> None:
+    limit = 4096
+    table = "x" * (limit - 64 + extra)
+    made: list[bool] = []
+
+    def recording_encode(job: JobSummary, uuid: str, *, strip_rank_table: bool = False) -> bytes:
+        made.append(strip_rank_table)
+        return encode_signal(job, uuid, strip_rank_table=strip_rank_table)
+
+    monkeypatch.setattr(broadcaster_module, "encode_signal", recording_encode)
+    broadcaster = Broadcaster(max_message_bytes=limit)
+    signal = broadcaster._encode(small_job(hccl_json=table), "u-1")
+    assert made == encodings
+    assert broadcaster.stats.rank_tables_stripped == int(stripped)
+    assert JobSummarySignal.parse(signal).hccl_json == ("" if stripped else table)
+    assert len(signal) <= limit - 64
 
 
 async def test_slow_subscriber_is_coalesced_then_ended() -> None:
