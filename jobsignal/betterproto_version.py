@@ -70,12 +70,13 @@ def version_module(version: str) -> types.ModuleType:
 
     def check_compiler_version(compiler_version: str) -> None:
         # betterproto2's rule: a runtime x.y.z runs code from a compiler x.y.*.
-        if major_minor(compiler_version) != major_minor(version):
+        major, minor = major_minor(compiler_version)
+        if (major, minor) != major_minor(version):
             raise ImportError(
                 f"jobsignal's generated code (jobsignal/_proto) comes from "
                 f"betterproto2_compiler {compiler_version}, which needs betterproto2 "
-                f"{'.'.join(compiler_version.split('.')[:2])}.x; betterproto2 {version} is "
-                f"installed (reinstall jobsignal to get the version it pins)"
+                f"{major}.{minor}.x; betterproto2 {version} is installed (reinstall "
+                "jobsignal to get the version it pins)"
             )
 
     module = types.ModuleType(MODULE, "betterproto2's version (jobsignal/betterproto_version.py)")
