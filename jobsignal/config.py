@@ -282,7 +282,8 @@ class Config:
     idle_timeout: float = setting(
         "120",
         _positive_float,
-        "close a stream with no message and no client heartbeat for this long (seconds)",
+        "close a stream with no message and no client heartbeat (its PING, or its ACK of the"
+        " server's keepalive PING) for this long (seconds)",
         group="gRPC",
     )
     roles: tuple[str, ...] = setting(
@@ -344,7 +345,8 @@ class Config:
     keepalive_time: float = setting(
         "60",
         _positive_float,
-        "seconds of silence from a peer after which the server PINGs it, to find dead peers",
+        "seconds without a heartbeat from a peer after which the server PINGs it (below"
+        " --idle-timeout): the ACK keeps quiet streams open, no answer finds dead peers",
         group="keepalive",
     )
     keepalive_timeout: float = setting(
@@ -558,6 +560,12 @@ def load_config(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> 
         raise ConfigError(
             f"read timeout {config.read_timeout:g}s must exceed the 60 s bookmark interval,"
             " or quiet watches restart needlessly"
+        )
+    if config.keepalive_time >= config.idle_timeout:
+        raise ConfigError(
+            f"--keepalive-time {config.keepalive_time:g}s must be below --idle-timeout"
+            f" {config.idle_timeout:g}s: the server's keepalive PING is what gives a client"
+            " without keepalive of its own a heartbeat before its quiet stream is idle"
         )
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together: give both or neither")

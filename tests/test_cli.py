@@ -39,7 +39,7 @@ def test_defaults_match_the_design() -> None:
 
 def test_flag_beats_env_beats_default() -> None:
     env = {"JOBSIGNAL_IDLE_TIMEOUT": "30", "JOBSIGNAL_LISTEN": "[::1]:9000"}
-    config = load_config({"idle_timeout": "45"}, env)
+    config = load_config({"idle_timeout": "45", "keepalive_time": "20"}, env)
     assert config.idle_timeout == 45
     assert config.listen == (("::1", 9000),)
 
@@ -55,6 +55,8 @@ def test_flag_beats_env_beats_default() -> None:
         ({"max_registrations": "0"}, {}, "must be a positive integer"),
         ({"snapshot_roles": "Nobody"}, {}, "snapshot roles ['Nobody'] are not among"),
         ({"read_timeout": "30"}, {}, "must exceed the 60 s bookmark interval"),
+        ({"idle_timeout": "60"}, {}, "--keepalive-time 60s must be below --idle-timeout 60s"),
+        ({"keepalive_time": "130"}, {}, "--keepalive-time 130s must be below --idle-timeout 120s"),
     ],
 )
 def test_bad_values_are_one_line_errors(

@@ -114,7 +114,7 @@ async def test_a_running_server_reports_its_addresses_readiness_and_end() -> Non
 
 def test_configure_validates_like_the_command_line() -> None:
     config = jobsignal.configure(
-        listen="127.0.0.1:0", idle_timeout=30, roles="CCAgent", snapshot_roles=""
+        listen="127.0.0.1:0", idle_timeout=30, keepalive_time=20, roles="CCAgent", snapshot_roles=""
     )
     assert config.listen == (("127.0.0.1", 0),)
     assert config.idle_timeout == 30.0

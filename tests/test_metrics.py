@@ -2,9 +2,10 @@
 
 The exposition is parsed with prometheus_client's own parser; the run
 drives every counter it can from outside (subscribers, job events, a
-rejected ConfigMap, an idle close, a refused connection, a clean watch end,
-a 410, an API error, bookmarks, a bad HTTP request) and checks each
-jobsignal metric, plus the process, platform and GC ones, against that.
+rejected ConfigMap, a quiet subscriber kept open by its PING ACKs, a
+refused connection, a clean watch end, a 410, an API error, bookmarks, a
+bad HTTP request) and checks each jobsignal metric, plus the process,
+platform and GC ones, against that.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ JOBSIGNAL_FAMILIES = {
 }
 
 
+def acks_received(server: RunningJobsignal) -> int:
+    """ACKs of the server's keepalive PINGs, over every connection."""
+    return sum(p.activity.ping_acks_received for p in server._parts.grpc.connections.protocols())
+
+
 async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> None:
     started_wall = time.time()
     async with open_emulator(token=TOKEN, bookmark_interval=0.25) as emulator:
@@ -97,9 +103,10 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
                 "metrics_listen": "127.0.0.1:0",
                 "kubeconfig": str(write_kubeconfig(tmp_path / "config", emulator.url)),
                 "source": "kubernetes",
-                # Long enough for the silent subscriber to get all three events first.
+                # The silent subscriber answers the server's PING every second, so it
+                # outlives quiet stretches of several idle timeouts.
                 "idle_timeout": "2",
-                "keepalive_time": "30",
+                "keepalive_time": "1",
                 # The pinging subscriber's 0.5 s is within the rules (no too_many_pings).
                 "min_client_ping_interval": "0.25",
                 "max_connections": "2",
@@ -113,7 +120,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
             await server.ready.wait()
 
             async def subscriber(role: str, keepalive: float) -> None:
-                # A long backoff: the idle-closed one does not come back during the test.
+                # A long backoff: a stream that ended would not come back during the test.
                 options = SubscribeOptions(
                     "127.0.0.1", server.port, role, keepalive_time=keepalive, backoff_initial=60
                 )
@@ -122,7 +129,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
                         assert isinstance(message, JobSummarySignal)
                         received.append(message.job_id)
 
-            # One subscriber that pings every 0.5 s, one silent one (closed when idle).
+            # One subscriber that pings every 0.5 s, one silent one (kept by its ACKs).
             nursery.start_soon(subscriber, "CCAgent", 0.5)
             nursery.start_soon(subscriber, "FdAgent", 600)
             await wait_until(lambda: len(server._parts.broadcaster.subscribers) == 2)
@@ -161,8 +168,9 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
             await wait_until(
                 lambda: emulator.stats.open_watches == 1 and server._parts.status.in_sync
             )
-            await wait_until(lambda: server._parts.broadcaster.stats.stream_ends["idle"] == 1)
-            await wait_until(lambda: len(server._parts.grpc.connections) == 1)
+            # Quiet for more than twice the idle timeout (a server PING a second).
+            acks_now = acks_received(server)
+            await wait_until(lambda: acks_received(server) >= acks_now + 5)
             await wait_until(lambda: server._parts.watcher.counters.bookmarks >= 1)
 
             garbage = await trio.open_tcp_stream("127.0.0.1", server.metrics_port)
@@ -191,14 +199,16 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
         ): 1
     }
 
-    # Clients: the silent FdAgent was closed when idle; the refused connection.
+    # Clients: both still subscribed (the silent FdAgent answered the server's
+    # PINGs, its heartbeats); the refused connection.
     assert run.series("jobsignal_subscribers") == {
-        frozenset({("rpc", "SubscribeJobSummarySignal"), ("role", "CCAgent")}): 1
+        frozenset({("rpc", "SubscribeJobSummarySignal"), ("role", role)}): 1
+        for role in ("CCAgent", "FdAgent")
     }
     assert run.value("jobsignal_in_process_consumers") == 0
-    assert run.value("jobsignal_registered_ids") == 1  # FdAgent's id ended with its stream
+    assert run.value("jobsignal_registered_ids") == 2
     assert run.value("jobsignal_registrations_expired_total") == 0
-    assert run.value("jobsignal_connections") == 1
+    assert run.value("jobsignal_connections") == 2
     assert run.value("jobsignal_connections_refused_total") == 1
     assert run.by("jobsignal_connections_closed_by_server_total", "reason") == {}
     assert run.value("jobsignal_streams_refused_total") == 0
@@ -233,7 +243,7 @@ async def test_every_metric_follows_what_happened_in_a_run(tmp_path: Path) -> No
     assert set(batches) == {"from_publish", "at_once", "waiting"}
     assert batches["from_publish"] + batches["at_once"] >= 1
     assert 1 <= sum(batches.values()) <= delivered
-    assert run.by("jobsignal_stream_ends_total", "reason") == {"idle": 1}
+    assert run.by("jobsignal_stream_ends_total", "reason") == {}  # no stream ended
     buckets = run.by("jobsignal_delivery_latency_seconds_bucket", "le")
     counts = list(buckets.values())
     assert counts == sorted(counts), "cumulative"

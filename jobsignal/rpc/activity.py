@@ -1,8 +1,8 @@
 """Per-connection activity: client heartbeats (HTTP/2 PINGs) and the ping-flood rule.
 
-A client's PING on a connection counts as a heartbeat for every subscription
-on that connection (docs/architecture.md
-section 3, "The idle rule and keepalive"). As in grpc-go and
+A client's PING on a connection, or its ACK of the server's keepalive PING,
+counts as a heartbeat for every subscription on that connection
+(docs/architecture.md section 3, "The idle rule and keepalive"). As in grpc-go and
 gRPC core, a PING counts against the client only while no data flows: every
 DATA or HEADERS frame the server sends on the connection (`note_sent`, called
 per frame by `rpc.connections`) forgives the strikes, because clients ping
@@ -44,6 +44,7 @@ class ConnectionActivity:
         self.ip = ip or peer  # the client address that limits are counted per
         self.heartbeat_listeners: set[Callable[[], None]] = set()
         self.pings_received = 0
+        self.ping_acks_received = 0  # ACKs of the server's keepalive PINGs
         self.strikes = 0
         self._last_ping_at: float | None = None
         self._sent_since_ping = False
@@ -67,6 +68,15 @@ class ConnectionActivity:
         self._sent_since_ping = False
         if self.strikes > self.policy.max_strikes:
             return False
+        self.heartbeat()
+        return True
+
+    def ping_acked(self) -> None:
+        """The client ACKed the server's keepalive PING: a heartbeat."""
+        self.ping_acks_received += 1
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """The client proved it is there (its PING, or its ACK of the server's)."""
         for listener in list(self.heartbeat_listeners):
             listener()
-        return True

@@ -4,7 +4,8 @@ grpclib's protocol feeds every byte a peer sends to h2 and every h2 event to
 its own processor, with no hooks and no limits. The server's protocol factory
 wraps it in `ObservedH2Protocol`, which owns what one connection may do:
 
-- client PINGs are heartbeats for the idle rule, and ping strikes are
+- client PINGs, and ACKs of the server's keepalive PINGs, are heartbeats for
+  the idle rule, and ping strikes are
   forgiven by every DATA or HEADERS frame the server sends (`rpc.activity`);
 - the abuse budgets of `rpc.guard` (Rapid Reset, control-frame floods) end
   the connection with GOAWAY ENHANCE_YOUR_CALM;
@@ -42,6 +43,7 @@ from grpclib.protocol import Connection, H2Protocol
 from h2.errors import ErrorCodes
 from h2.events import (
     Event,
+    PingAckReceived,
     PingReceived,
     RemoteSettingsChanged,
     RequestReceived,
@@ -299,6 +301,7 @@ class ObservedH2Protocol(H2Protocol):
         self._table.counter.opened(ip)
         self._counted = True
         _grpclib.set_event_handler(self.processor, PingReceived, self._ping_received)
+        _grpclib.set_event_handler(self.processor, PingAckReceived, self._ping_ack_received)
         _grpclib.set_event_handler(self.processor, RequestReceived, self._request_received)
         _grpclib.set_event_handler(self.processor, StreamReset, self._stream_reset)
         self._table.add(self)
@@ -373,7 +376,7 @@ class ObservedH2Protocol(H2Protocol):
         chunk = bytes(self._input[:share])
         del self._input[:share]
         now = trio.current_time()
-        self.liveness.heard(now)
+        self.liveness.heard()
         broken = self.budget.charge_input(chunk, now)
         if broken is not None:
             self._enhance_your_calm(broken)
@@ -528,6 +531,15 @@ class ObservedH2Protocol(H2Protocol):
         if not self.activity.ping_received():
             self._count_close(TOO_MANY_PINGS, "too many pings")
             self.goaway(ErrorCodes.ENHANCE_YOUR_CALM, TOO_MANY_PINGS.encode())
+            return
+        self.liveness.heartbeat(trio.current_time())
+
+    def _ping_ack_received(self, event: PingAckReceived) -> None:
+        # Only the answer to the server's own outstanding PING is a heartbeat: an
+        # unasked-for ACK would be a PING that escapes the ping-flood rule.
+        if event.ping_data == KEEPALIVE_PING and self.liveness.ping_outstanding:
+            self.liveness.heartbeat(trio.current_time())
+            self.activity.ping_acked()
 
     # -- closing ---------------------------------------------------------------------------------
 
@@ -558,7 +570,7 @@ class ObservedH2Protocol(H2Protocol):
         if self._reading_paused:
             # The server is the one not listening (input held for the pacer, or a
             # peer that does not read, which the write-stall timeout judges).
-            self.liveness.heard(now)
+            self.liveness.not_listening(now)
         verdict, delay = self.liveness.check(now)
         if verdict is Liveness.GONE:
             self._count_close(

@@ -99,8 +99,8 @@ def end_for(reason: EndReason, settings: SessionSettings) -> StreamEnd:
         seconds = f"{settings.idle_timeout:g}"
         return StreamEnd(
             Status.UNAVAILABLE,
-            f"idle for {seconds}s without messages or heartbeats; enable gRPC keepalive"
-            " (for example every 30s) to keep a quiet subscription open",
+            f"idle for {seconds}s without messages or heartbeats (the client neither pinged"
+            " nor answered the server's keepalive PINGs)",
             reason,
         )
     if reason is EndReason.SLOW:

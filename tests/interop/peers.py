@@ -34,9 +34,15 @@ import trio
 
 from bench import gobuild
 from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
+from jobsignal.rpc.session import SessionSettings
 from jobsignal.store.model import JobSummary, event_id
 from tests.support.factories import make_job
-from tests.support.grpc_server import QUICK_KEEPALIVE, local_settings, open_jobsignal_server
+from tests.support.grpc_server import (
+    QUICK_IDLE_TIMEOUT,
+    QUICK_KEEPALIVE,
+    local_settings,
+    open_jobsignal_server,
+)
 from tests.support.grpcio import expected_signal
 from tests.support.waiting import wait_until
 
@@ -271,22 +277,30 @@ def quiet_pings(peer: Peer) -> list[float]:
 async def assert_quiet_subscriber_answers_server_keepalive(
     command: Callable[[str], list[str]],
 ) -> None:
-    """A peer (`command(target)`) subscribes and stays quiet for six of the server's
-    keepalive intervals (`QUICK_KEEPALIVE`): it is pinged and answers, so the
-    server never takes it for gone, and the stream still delivers."""
-    settings = local_settings(keepalive=QUICK_KEEPALIVE)
+    """A peer (`command(target)`) with no keepalive of its own subscribes and stays
+    quiet for twice the idle timeout (scaled down: `QUICK_KEEPALIVE`,
+    `QUICK_IDLE_TIMEOUT`): it answers the server's PINGs, so its stream is never
+    idle and the server never takes it for gone, and the same stream delivers."""
+    settings = local_settings(
+        keepalive=QUICK_KEEPALIVE, session=SessionSettings(idle_timeout=QUICK_IDLE_TIMEOUT)
+    )
     async with open_jobsignal_server(settings) as server:
         async with running(command(server.target)) as peer:
             await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=10)
-            await trio.sleep(6 * QUICK_KEEPALIVE.interval)
             (protocol,) = server.connections.protocols()
-            pings = protocol.liveness.pings_sent
+            pings_before = protocol.activity.pings_received
+            await trio.sleep(2 * QUICK_IDLE_TIMEOUT)
+            acks = protocol.activity.ping_acks_received
+            own_pings = protocol.activity.pings_received - pings_before
             job = make_job(1)
             server.broadcaster.publish([job])
             await peer.wait_exit(10)
         closed = server.connections.closed_by_server[KEEPALIVE_TIMEOUT]
+        idle_ends = server.broadcaster.stats.stream_ends["idle"]
         uuids = uuids_of(server)
-    assert pings >= 3
+    assert acks >= 3
+    assert own_pings == 0, "the peer was meant to have no keepalive of its own"
     assert closed == 0
+    assert idle_ends == 0
     assert_signals(peer, [job], uuids)
     assert_no_goaway(peer)

@@ -2,8 +2,9 @@
 
 The server's PINGs, and the close of a peer that does not answer, run on
 trio's clock: the tests below use the default settings (a PING after 60 s
-of silence, 5 s for anything to come back) under `io_clock`, with raw
-HTTP/2 peers on 127.0.0.1 that answer, stay silent or talk on their own.
+without a heartbeat, 5 s for anything to come back, the idle rule's 120 s)
+under `io_clock`, with raw HTTP/2 peers on 127.0.0.1 that answer, stay
+silent, stop reading or talk on their own.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from hyperframe.frame import DataFrame, PingFrame, WindowUpdateFrame
 from jobsignal.rpc.connections import KEEPALIVE_TIMEOUT
 from jobsignal.rpc.guard import FREE_CONTROL_FRAMES, ProtocolLimits
 from jobsignal.rpc.keepalive import KeepalivePolicy, Liveness, PeerLiveness
+from jobsignal.rpc.registry import Refused
+from jobsignal.rpc.session import SessionSettings
 from tests.support.factories import make_job
-from tests.support.grpc_server import QUICK_KEEPALIVE, local_settings, open_jobsignal_server
+from tests.support.grpc_server import (
+    QUICK_IDLE_TIMEOUT,
+    QUICK_KEEPALIVE,
+    ServerHarness,
+    local_settings,
+    open_jobsignal_server,
+)
 from tests.support.grpcio import GrpcioClients, GrpcioStream
 from tests.support.h2_client import OTHER_LOOPBACK
 from tests.support.threads import in_thread
@@ -41,22 +50,56 @@ def test_a_quiet_peer_is_pinged_after_the_interval_and_gone_after_the_timeout() 
     assert liveness.check(165.0) == (Liveness.GONE, 0.0)
 
 
-def test_input_after_the_ping_keeps_the_peer_even_at_the_same_instant() -> None:
+def test_the_ack_after_the_ping_keeps_the_peer_even_at_the_same_instant() -> None:
     liveness = PeerLiveness(POLICY, now=0.0)
     assert liveness.check(60.0) == (Liveness.PING, 5.0)
-    liveness.heard(60.0)  # the ACK, read before the clock moved
+    assert liveness.ping_outstanding
+    liveness.heartbeat(60.0)  # the ACK, read before the clock moved
+    assert not liveness.ping_outstanding
     assert liveness.check(65.0) == (Liveness.WAIT, 55.0)
     assert liveness.check(120.0) == (Liveness.PING, 5.0)
 
 
-def test_a_peer_that_talks_is_never_pinged() -> None:
+def test_a_peer_that_pings_on_its_own_is_never_pinged() -> None:
     liveness = PeerLiveness(POLICY, now=0.0)
     now = 0.0
     while now < 600.0:
         verdict, delay = liveness.check(now)
         assert verdict is Liveness.WAIT
         now += min(delay, 40.0)
-        liveness.heard(now)
+        liveness.heartbeat(now)
+
+
+def test_a_peer_that_talks_without_heartbeats_is_pinged_once_an_interval_and_kept() -> None:
+    """Input other than a heartbeat proves the peer is there (never GONE), but only
+    a heartbeat keeps a quiet stream open: such a peer is still asked once a minute."""
+    liveness = PeerLiveness(POLICY, now=0.0)
+    verdicts = []
+    now = 0.0
+    while now < 300.0:
+        verdict, delay = liveness.check(now)
+        verdicts.append((now, verdict))
+        assert verdict is not Liveness.GONE
+        now += min(delay, 4.0)
+        liveness.heard()  # a WINDOW_UPDATE, a new request: anything but a PING or its ACK
+    assert [t for t, v in verdicts if v is Liveness.PING] == [60.0, 120.0, 180.0, 240.0]
+
+
+def test_an_interval_below_the_timeout_pings_each_interval_and_waits_out_the_timeout() -> None:
+    liveness = PeerLiveness(KeepalivePolicy(interval=1.0, timeout=5.0), now=0.0)
+    assert liveness.check(1.0) == (Liveness.PING, 1.0)
+    liveness.heartbeat(1.25)  # the ACK
+    assert liveness.check(2.0) == (Liveness.WAIT, 0.25)
+    assert liveness.check(2.25) == (Liveness.PING, 1.0)
+    assert liveness.check(3.25) == (Liveness.WAIT, 4.0)  # no answer yet: not gone before 5 s
+    assert liveness.check(7.25) == (Liveness.GONE, 0.0)
+
+
+def test_a_server_that_is_not_listening_neither_pings_nor_gives_up() -> None:
+    liveness = PeerLiveness(POLICY, now=0.0)
+    assert liveness.check(60.0) == (Liveness.PING, 5.0)
+    liveness.not_listening(65.0)
+    assert liveness.check(65.0) == (Liveness.WAIT, 60.0)
 
 
 # -- the server ------------------------------------------------------------------------------------
@@ -107,6 +150,76 @@ async def test_a_silent_subscriber_is_closed_and_released_after_interval_and_tim
         assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 1
         await wait_until(lambda: all_released(server), what="the silent peer's subscription")
         assert len(pings_from_server(peer)) == 1
+
+
+async def subscribed_raw_peer(server: ServerHarness, peer: RawPeer, role: str = "CCAgent") -> str:
+    """Handshake, Register and Subscribe (stream 3) on a raw peer: its client id."""
+    await peer.handshake()
+    client_id = await peer.register(1)
+    await peer.subscribe(3, role, client_id)
+    await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
+    return client_id
+
+
+def data_on(stream_id: int) -> Callable[[RawPeer], bool]:
+    return lambda peer: any(
+        isinstance(f, DataFrame) and f.stream_id == stream_id and f.data for f in peer.frames
+    )
+
+
+async def test_a_quiet_subscriber_that_only_answers_server_pings_is_never_idle(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """A client with default gRPC options (no PING of its own) on a quiet cluster:
+    ten minutes, five times the idle rule's 120 s, on the same stream, which then
+    delivers. Its ACKs of the server's keepalive PINGs are its heartbeats."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await subscribed_raw_peer(server, peer)
+        started = trio.current_time()
+        await answer_pings(peer, until=started + 600.0)
+        assert not peer.closed and peer.goaway() is None
+        assert 3 not in peer.ended_streams()
+        assert len(pings_from_server(peer)) >= 9
+        server.broadcaster.publish([make_job(1)])
+        await peer.read_until(data_on(3))
+        assert not peer.closed and 3 not in peer.ended_streams()
+        assert server.broadcaster.stats.stream_ends["idle"] == 0
+        assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 0
+
+
+async def test_a_subscriber_that_stops_reading_is_released_within_keepalive_time_and_timeout(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """A raw connection that subscribes and then neither reads nor sends (a hung
+    process): the server's PING goes unanswered, so the connection is dropped and
+    the subscription and its id are freed 65 s after the subscribe."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        client_id = await subscribed_raw_peer(server, peer)
+        subscribed_at = trio.current_time()
+        await wait_until(lambda: all_released(server), within=300, what="the hung peer")
+        released_after = trio.current_time() - subscribed_at
+        assert released_after == pytest.approx(65.0, abs=0.5)
+        assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 1
+        with pytest.raises(Refused):
+            server.registry.claim(client_id, "CCAgent", trio.current_time(), address="127.0.0.1")
+
+
+async def test_an_ack_nobody_asked_for_is_no_heartbeat(
+    io_clock: trio.testing.MockClock,
+) -> None:
+    """Unsolicited PING ACKs (a peer working around the ping-flood rule) do not keep
+    a quiet stream open: it ends at the idle rule's 120 s after the subscribe."""
+    async with open_jobsignal_server() as server, raw_peer(server.port) as peer:
+        await subscribed_raw_peer(server, peer)
+        subscribed_at = trio.current_time()
+        with trio.move_on_after(119.0):
+            while True:
+                await trio.sleep(20.0)
+                await peer.send(PingFrame(0, opaque_data=b"unasked!", flags=["ACK"]))
+        assert server.broadcaster.subscribers
+        await peer.read_until(lambda p: 3 in p.ended_streams(), within=30)
+        assert trio.current_time() - subscribed_at == pytest.approx(120.0, abs=0.5)
+        assert dict(peer.headers[3]).get("grpc-status") == "14"
 
 
 async def test_a_peer_that_answers_stays_and_is_pinged_once_a_quiet_minute(
@@ -172,19 +285,28 @@ async def test_a_peer_whose_input_the_pacer_holds_is_not_taken_for_gone(
 async def test_a_quiet_grpcio_subscriber_answers_server_keepalive_and_stays(
     grpc_clients: GrpcioClients,
 ) -> None:
-    """The official grpcio client (no keepalive of its own) answers the server's
-    PINGs on a quiet stream; real clock, at QUICK_KEEPALIVE's half second."""
-    settings = local_settings(keepalive=QUICK_KEEPALIVE)
+    """The official grpcio client with no keepalive of its own, quiet for twice the
+    idle timeout: it answers the server's PINGs, which keeps its stream open, and
+    the same stream delivers. Real clock, scaled down (QUICK_KEEPALIVE's half
+    second, QUICK_IDLE_TIMEOUT's 2 s)."""
+    settings = local_settings(
+        keepalive=QUICK_KEEPALIVE, session=SessionSettings(idle_timeout=QUICK_IDLE_TIMEOUT)
+    )
     async with trio.open_nursery() as nursery, open_jobsignal_server(settings) as server:
         client = grpc_clients.connect(server.target)
         client_id = await in_thread(client.register_id, "CCAgent")
         stream = GrpcioStream(client.subscribe("CCAgent", client_id, timeout=60)).start(nursery)
         await wait_until(lambda: len(server.broadcaster.subscribers) == 1)
-        await trio.sleep(6 * QUICK_KEEPALIVE.interval)
         (protocol,) = server.connections.protocols()
+        own_pings = protocol.activity.pings_received
+        await trio.sleep(2 * QUICK_IDLE_TIMEOUT)
         assert protocol.liveness.pings_sent >= 3
+        assert protocol.activity.ping_acks_received >= 3
+        # No keepalive of its own: its only heartbeats were ACKs.
+        assert protocol.activity.pings_received == own_pings
         server.broadcaster.publish([make_job(1)])
         await stream.wait_for(1)
+        assert server.broadcaster.stats.stream_ends["idle"] == 0
         assert server.connections.closed_by_server[KEEPALIVE_TIMEOUT] == 0
         client.close()
         await stream.wait_end()

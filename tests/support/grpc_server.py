@@ -50,6 +50,9 @@ def make_registry(
 # Server keepalive at a pace a few real seconds can show, for peers on the real
 # clock: a PING after half a second of silence, a second for anything to come back.
 QUICK_KEEPALIVE = KeepalivePolicy(interval=0.5, timeout=1.0)
+# An idle timeout above QUICK_KEEPALIVE's interval and timeout, as --idle-timeout
+# must be: a quiet client that answers the PINGs outlives it many times over.
+QUICK_IDLE_TIMEOUT = 2.0
 
 
 def local_settings(**overrides: Any) -> ServerSettings:

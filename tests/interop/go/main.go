@@ -17,9 +17,19 @@
 //	                                                     sent that begin with a compressed
 //	                                                     message's flag (plain text only)
 //
+//	{"event":"register-failed","try":1,"message":"..."}  fdagent: a Register that did not succeed
+//	{"event":"fatal","rpc":"..."}                        fdagent: a stream ended (it gives up)
+//	{"event":"survived"}                                 fdagent: -run-for passed, both streams open
+//
 // Usage: jobsignal-go-peer COMMAND [flags], COMMAND one of register,
-// subscribe, subscribe-list. With no flags the client uses grpc-go's defaults
-// (dynamic BDP flow-control windows, no keepalive, 4 MiB receive limit).
+// subscribe, subscribe-list, fdagent. With no flags the client uses grpc-go's
+// defaults (dynamic BDP flow-control windows, no keepalive, 4 MiB receive limit).
+//
+// fdagent behaves, as far as a server can see, like ClusterD's fault-diagnosis
+// agent: default dial options (no keepalive), Register retried -register-tries
+// times -register-every apart, then the List and the Signal streams (a Register
+// each), and any end of either stream is fatal (exit status 3), as that agent's
+// v7.x releases never recover from one.
 package main
 
 import (
@@ -264,6 +274,8 @@ type options struct {
 	window, connWindow, maxRecv, count         int
 	tlsCA, tlsCert, tlsKey, serverName         string
 	compress                                   bool
+	registerTries                              int
+	registerEvery, runFor                      time.Duration
 }
 
 func parse(command string, args []string) options {
@@ -287,6 +299,9 @@ func parse(command string, args []string) options {
 	flags.StringVar(&o.tlsKey, "tls-key", "", "PEM key of -tls-cert")
 	flags.StringVar(&o.serverName, "server-name", "", "TLS server name override")
 	flags.BoolVar(&o.compress, "gzip", false, "compress every request message with gzip")
+	flags.IntVar(&o.registerTries, "register-tries", 20, "fdagent: Register attempts before giving up")
+	flags.DurationVar(&o.registerEvery, "register-every", 3*time.Second, "fdagent: time between Register attempts")
+	flags.DurationVar(&o.runFor, "run-for", 30*time.Second, "fdagent: how long both streams must stay open")
 	flags.Parse(args)
 	if o.subscribeRole == "" {
 		o.subscribeRole = o.role
@@ -396,6 +411,71 @@ func receive(o options, rpc string, stream receiver, list bool) {
 	emit("done", map[string]interface{}{"received": received})
 }
 
+// registerRetrying registers as -role, retrying failures -register-every apart.
+func registerRetrying(ctx context.Context, client pb.JobClient, o options) (string, bool) {
+	for try := 1; try <= o.registerTries; try++ {
+		reply, err := client.Register(ctx, &pb.ClientInfo{Role: o.role})
+		if err == nil && reply.Code == 200 {
+			emit("registered", map[string]interface{}{
+				"code": reply.Code, "info": reply.Info, "clientId": reply.ClientId,
+			})
+			return reply.ClientId, true
+		}
+		message := ""
+		if err != nil {
+			message = status.Convert(err).Message()
+		} else {
+			message = fmt.Sprintf("%d %s", reply.Code, reply.Info)
+		}
+		emit("register-failed", map[string]interface{}{"try": try, "message": message})
+		select {
+		case <-time.After(o.registerEvery):
+		case <-ctx.Done():
+			return "", false
+		}
+	}
+	return "", false
+}
+
+func fdAgent(ctx context.Context, client pb.JobClient, o options) int {
+	ended := make(chan string, 2)
+	for _, list := range []bool{true, false} {
+		list := list // (before Go 1.22, one variable for every iteration)
+		id, ok := registerRetrying(ctx, client, o)
+		if !ok {
+			emit("fatal", map[string]interface{}{"rpc": "Register"})
+			return 3
+		}
+		info := &pb.ClientInfo{Role: o.role, ClientId: id}
+		var stream receiver
+		var err error
+		rpc := "SubscribeJobSummarySignal"
+		if list {
+			rpc = "SubscribeJobSummarySignalList"
+			stream, err = client.SubscribeJobSummarySignalList(ctx, info)
+		} else {
+			stream, err = client.SubscribeJobSummarySignal(ctx, info)
+		}
+		if err != nil {
+			emitEnd(rpc, err)
+			emit("fatal", map[string]interface{}{"rpc": rpc})
+			return 3
+		}
+		go func() {
+			receive(o, rpc, stream, list)
+			ended <- rpc
+		}()
+	}
+	select {
+	case rpc := <-ended:
+		emit("fatal", map[string]interface{}{"rpc": rpc})
+		return 3
+	case <-time.After(o.runFor):
+		emit("survived", map[string]interface{}{})
+		return 0
+	}
+}
+
 func run(command string, o options) int {
 	dial, err := dialOptions(o)
 	if err != nil {
@@ -413,6 +493,9 @@ func run(command string, o options) int {
 	go watchState(ctx, conn)
 	client := pb.NewJobClient(conn)
 	defer emitWire()
+	if command == "fdagent" {
+		return fdAgent(ctx, client, o)
+	}
 
 	clientID := o.clientID
 	if clientID == "" || command == "register" {
@@ -452,12 +535,12 @@ func run(command string, o options) int {
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: jobsignal-go-peer register|subscribe|subscribe-list [flags]")
+		fmt.Fprintln(os.Stderr, "usage: jobsignal-go-peer register|subscribe|subscribe-list|fdagent [flags]")
 		os.Exit(2)
 	}
 	command := os.Args[1]
 	switch command {
-	case "register", "subscribe", "subscribe-list":
+	case "register", "subscribe", "subscribe-list", "fdagent":
 	default:
 		fmt.Fprintf(os.Stderr, "unknown command %q\n", command)
 		os.Exit(2)
