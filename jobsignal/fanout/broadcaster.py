@@ -193,17 +193,11 @@ class Broadcaster:
 
     # -- events ------------------------------------------------------------
 
-    def publish(
-        self,
-        jobs: Iterable[JobSummary],
-        seen_at: float | None = None,
-        live_counts: Sequence[int] | None = None,
-    ) -> None:
+    def publish(self, jobs: Iterable[JobSummary], seen_at: float | None = None) -> None:
         """Send job events to every subscriber; `seen_at` is when the source saw them.
 
-        `live_counts[i]` is the number of live jobs once the owner emitted
-        `jobs[i]` (`Changes.live_counts`), for list messages' JobTotalNum;
-        without it, the owner's count now.
+        A live change goes to List subscribers as a list of one with
+        JobTotalNum 1, as ClusterD sends it (docs/architecture.md section 2).
 
         The hot loop: one encoding and one shared queue entry per event and
         message type, handed to every subscriber by the pacer (at once, or a
@@ -217,7 +211,6 @@ class Broadcaster:
             seen_at = trio.current_time()
         stats, pacer = self.stats, self.pacer
         own_record, encoded, dropped = self._own_record, self._encoded, self._dropped
-        counts = iter(live_counts) if live_counts is not None else None
         for index, job in enumerate(jobs):
             key = job.key
             event = EncodedJob(job)
@@ -229,7 +222,6 @@ class Broadcaster:
                 encoded[key] = event
             if dropped:
                 dropped.pop(key, None)  # a new state gets its own chance
-            live_count = next(counts) if counts is not None else None
             stats.events_published += 1
             if self._event_queues:
                 queued = (key, QueuedEvent(job, event.uuid), seen_at)
@@ -244,10 +236,7 @@ class Broadcaster:
                     groups = self._groups_of(StreamKind.SIGNAL)
                     pacer.deliver((key, signal, seen_at), groups, direct=direct)
                 if self._list_subscribers:
-                    if live_count is None:
-                        live_count = self._jobs.live_job_count()
-                    total = live_count - len(dropped)
-                    as_list = encode_signal_list([signal], self._now_ms(), total)
+                    as_list = encode_signal_list([signal], self._now_ms(), 1)
                     groups = self._groups_of(StreamKind.LIST)
                     pacer.deliver((key, as_list, seen_at), groups, direct=direct)
             except Exception:

@@ -99,9 +99,8 @@ class WatchCounters:
 
 
 # Where the watcher hands job events: `Broadcaster.publish` in a server. The
-# second argument is when the source saw them (trio's clock), for latency; the
-# third the store's count of live jobs after each (`Changes.live_counts`).
-Publish = Callable[[Sequence[JobSummary], float, Sequence[int]], None]
+# second argument is when the source saw them (trio's clock), for latency.
+Publish = Callable[[Sequence[JobSummary], float], None]
 
 
 class _PageFetch:
@@ -400,7 +399,7 @@ class Watcher:
         # subscriber arriving in between would get an event its snapshot
         # already holds. One store step emits few events (`SETTLE_SLICE`).
         if changes.events:
-            self._publish_events(changes.events, trio.current_time(), changes.live_counts)
+            self._publish_events(changes.events, trio.current_time())
         for job in changes.events:
             log.debug(
                 "job event: %s/%s %s %s (%d NPUs)",

@@ -52,16 +52,10 @@ Header = tuple[tuple[str, str], ...]
 
 @dataclass
 class Changes:
-    """What one store update produced: job events, in order, and rejected input.
-
-    `live_counts[i]` is the number of live jobs once `events[i]` was emitted
-    (a list message's JobTotalNum: the store has already moved past the
-    earlier events of the update when the broadcaster sends them).
-    """
+    """What one store update produced: job events, in order, and rejected input."""
 
     events: list[JobSummary] = field(default_factory=list)
     rejected: list[BadConfigMap] = field(default_factory=list)
-    live_counts: list[int] = field(default_factory=list)
     # Those of `events` served without HcclJson: the rank table joined from the
     # job's ConfigMaps would be over MAX_JOINED_RANK_TABLE_CHARS.
     tables_over_cap: list[JobSummary] = field(default_factory=list)
@@ -69,7 +63,6 @@ class Changes:
     def extend(self, other: Changes) -> None:
         self.events += other.events
         self.rejected += other.rejected
-        self.live_counts += other.live_counts
         self.tables_over_cap += other.tables_over_cap
 
 
@@ -471,7 +464,6 @@ class JobStore:
 
     def _emit(self, changes: Changes, state: JobSummary) -> None:
         changes.events.append(state)
-        changes.live_counts.append(self._live_count)
 
 
 class Relist:

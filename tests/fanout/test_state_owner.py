@@ -131,7 +131,9 @@ async def test_in_process_snapshots_read_the_owner_too() -> None:
     assert broadcaster.subscribe_events(snapshot=True).pending == 2
 
 
-async def test_list_messages_count_live_jobs_after_each_event() -> None:
+async def test_live_list_messages_carry_one_job_as_clusterd_does() -> None:
+    """ClusterD master sends each live change as a list of one with JobTotalNum 1,
+    whatever the number of jobs; snapshots count the live jobs."""
     store = JobStore()
     broadcaster = owned(store)
     lister = broadcaster.subscribe(StreamKind.LIST, "CCAgent", "x", snapshot=False)
@@ -141,19 +143,15 @@ async def test_list_messages_count_live_jobs_after_each_event() -> None:
         for name_ in ("a", "b", "c")
         for name, data in clusterd_job(name_).configmaps("running")
     ]
-    changes = store.replace_all(objects, NOW)
-    assert changes.live_counts == [1, 2, 3]
-    # The store is at 3 already; each message carries the count after its event.
-    broadcaster.publish(changes.events, 0.0, changes.live_counts)
-    totals = [JobSummarySignalList.parse(f).job_total_num for f in await lister.next_batch(10)]
-    assert totals == [1, 2, 3]
-    changes = store.replace_all(objects[1:], NOW)  # a relist without a: its delete
-    assert changes.live_counts == [2]
-    # Without the counts, the owner's count now.
-    broadcaster.publish([make_job(7, hccl_json="{}")], 0.0)
-    broadcaster.publish(changes.events, 0.0)
-    totals = [JobSummarySignalList.parse(f).job_total_num for f in await lister.next_batch(10)]
-    assert totals == [2, 2]
+    broadcaster.publish(store.replace_all(objects, NOW).events, 0.0)
+    broadcaster.publish(store.replace_all(objects[1:], NOW).events, 0.0)  # a's delete
+    live = [JobSummarySignalList.parse(f) for f in await lister.next_batch(10)]
+    assert [len(m.job_summary_signals) for m in live] == [1, 1, 1, 1]
+    assert [m.job_total_num for m in live] == [1, 1, 1, 1]
+    assert [m.job_summary_signals[0].operator for m in live] == ["add"] * 3 + ["delete"]
+    later = broadcaster.subscribe(StreamKind.LIST, "CCAgent", "y", snapshot=False)
+    (snapshot,) = [JobSummarySignalList.parse(f) for f in await later.next_batch(10)]
+    assert snapshot.job_total_num == 2
 
 
 async def test_a_broken_job_of_the_owner_is_dropped_once_until_its_next_state() -> None:

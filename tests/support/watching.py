@@ -109,10 +109,10 @@ async def open_watcher(
     store, status = JobStore(), SourceStatus()
     broadcaster = Broadcaster(jobs=store)
 
-    def publish(jobs: Sequence[JobSummary], seen_at: float, live_counts: Sequence[int]) -> None:
+    def publish(jobs: Sequence[JobSummary], seen_at: float) -> None:
         if on_publish is not None:
             on_publish(jobs)
-        broadcaster.publish(jobs, seen_at, live_counts)
+        broadcaster.publish(jobs, seen_at)
 
     sent: list[tuple[float, str, dict[str, str]]] = []
 
