@@ -94,6 +94,17 @@ def _check_ha(objects: Sequence[Obj], where: str) -> None:
     assert isinstance(available, int), f"{here}: minAvailable {available!r} (a count)"
     assert 1 <= available < replicas, f"{here}: minAvailable {available} of {replicas}"
 
+    # A rollout never leaves a moment without a serving replica: a new pod first,
+    # Ready (its first LIST loaded) before an old one stops, which drains.
+    strategy = deployment["spec"].get("strategy", {})
+    rolling = strategy.get("rollingUpdate", {})
+    assert strategy.get("type") == "RollingUpdate", f"{where}: strategy {strategy}"
+    assert rolling.get("maxUnavailable") == 0, f"{where}: rollout {rolling}"
+    assert rolling.get("maxSurge", 0) not in (0, "0%"), f"{where}: rollout {rolling}"
+    (container,) = _pod_spec(deployment)["containers"]
+    probe = container.get("readinessProbe", {})
+    assert probe.get("httpGet", {}).get("path") == "/readyz", f"{where}: readiness {probe}"
+
     constraints = _pod_spec(deployment).get("topologySpreadConstraints", [])
     spread = {c["topologyKey"]: c["whenUnsatisfiable"] for c in constraints}
     assert spread == SPREAD and len(constraints) == len(SPREAD), f"{where}: spread {constraints}"
