@@ -42,7 +42,8 @@ if TYPE_CHECKING:  # imported where used: without them a server loads no prometh
     from jobsignal.events import JobEvents
     from jobsignal.metrics import MetricSources
     from jobsignal.metrics_server import HttpStats
-    from jobsignal.relay import Relay, RelayedJobs  # (and no gRPC client unless it relays)
+    from jobsignal.relay.source import Relay  # (and no gRPC client unless it relays)
+    from jobsignal.relay.state import RelayedJobs
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,8 @@ async def run_relay_source(
     task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The relay source (jobsignal/relay/): the upstream's jobs into `jobs`."""
-    from jobsignal.relay import Relay, RelaySettings, stream_opener
+    from jobsignal.relay.settings import RelaySettings
+    from jobsignal.relay.source import Relay, stream_opener
 
     settings = RelaySettings.from_config(config)
     relay = Relay(stream_opener(settings, context), jobs, broadcaster.publish, status, settings)
@@ -326,7 +328,7 @@ def _relay_tls(config: Config) -> ssl.SSLContext | None:
     ConfigError at start-up. None without TLS, or when not relaying."""
     if config.source != "relay":
         return None
-    from jobsignal.relay import RelaySettings
+    from jobsignal.relay.settings import RelaySettings
 
     return RelaySettings.from_config(config).ssl_context()
 
@@ -365,7 +367,7 @@ async def run_jobsignal(
         shutdown = trio.Event()
     store: JobStore | RelayedJobs = JobStore()
     if config.source == "relay":
-        from jobsignal.relay import RelayedJobs
+        from jobsignal.relay.state import RelayedJobs
 
         store = RelayedJobs()
     status = SourceStatus()

@@ -310,8 +310,7 @@ class Config:
     upstream_tls_cert: str = setting(
         "",
         _path,
-        "PEM client certificate chain for mutual TLS with the upstream (needs"
-        " --upstream-tls-ca)",
+        "PEM client certificate chain for mutual TLS with the upstream (needs --upstream-tls-ca)",
         group="relay",
     )
     upstream_tls_key: str = setting(

@@ -38,7 +38,7 @@ from jobsignal.version import __version__
 
 if TYPE_CHECKING:
     from jobsignal.kube.watcher import WatchCounters
-    from jobsignal.relay import RelayCounters
+    from jobsignal.relay.source import RelayCounters
 
 
 @dataclass
@@ -304,8 +304,7 @@ class JobsignalCollector(Collector):
         last_sync = sources.last_sync_time()
         yield GaugeMetricFamily(
             "jobsignal_last_sync_timestamp_seconds",
-            "Unix time the Kubernetes API (a relay: the upstream) was last heard from"
-            " (0: never).",
+            "Unix time the Kubernetes API (a relay: the upstream) was last heard from (0: never).",
             value=last_sync or 0,
         )
         yield GaugeMetricFamily(
@@ -377,8 +376,7 @@ def _relay_families(counters: RelayCounters) -> Iterator[Metric]:
 
     yield CounterMetricFamily(
         "jobsignal_relay_subscriptions_total",
-        "Subscriptions made to the upstream (Register and SubscribeJobSummarySignalList"
-        " answered).",
+        "Subscriptions made to the upstream (Register and SubscribeJobSummarySignalList answered).",
         value=counters.subscriptions,
     )
     yield CounterMetricFamily(

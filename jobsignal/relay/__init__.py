@@ -6,10 +6,5 @@ subscribers as if it had read the ConfigMaps (docs/architecture.md section 4,
 "Relaying another server"): wire.py reads the upstream's messages, state.py
 (pure) holds the relayed jobs, upstream.py is the gRPC client on h2 and trio,
 source.py follows the subscription behind the watch-source interface.
+Nothing is imported here, so the pure modules load without the others.
 """
-
-from jobsignal.relay.settings import RelaySettings
-from jobsignal.relay.source import Relay, RelayCounters, stream_opener
-from jobsignal.relay.state import RelayedJobs
-
-__all__ = ["Relay", "RelayCounters", "RelaySettings", "RelayedJobs", "stream_opener"]

@@ -25,7 +25,6 @@ from collections.abc import Iterator, Mapping
 from jobsignal.relay.wire import Malformed, decode_signal
 from jobsignal.store.configmap import (
     BadConfigMap,
-    ConfigMapRef,
     configmap_ref,
     rank_table_npus,
 )
@@ -84,9 +83,7 @@ def same_event(previous: JobSummary, job: JobSummary) -> bool:
     job over its batch size: docs/architecture.md section 2)."""
     if previous == job or (job.event_uuid and job.event_uuid == previous.event_uuid):
         return True
-    return not job.hccl_json and previous == dataclasses.replace(
-        job, hccl_json=previous.hccl_json
-    )
+    return not job.hccl_json and previous == dataclasses.replace(job, hccl_json=previous.hccl_json)
 
 
 class RelayedJobs:
