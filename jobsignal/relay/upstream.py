@@ -330,7 +330,6 @@ async def open_upstream(
 ) -> AsyncIterator[UpstreamConnection]:
     """A connection to the upstream (TCP, TLS with `context`, the HTTP/2 preface),
     kept alive while the block runs and closed after it."""
-    where = settings.address
     try:
         with trio.fail_after(settings.connect_timeout):
             stream: trio.abc.Stream = await trio.open_tcp_stream(settings.host, settings.port)
@@ -341,14 +340,14 @@ async def open_upstream(
                 await tls.do_handshake()
     except trio.TooSlowError:
         raise UpstreamError(
-            "unreachable", f"{where}: no connection within {settings.connect_timeout:g}s"
+            "unreachable", f"no connection within {settings.connect_timeout:g}s"
         ) from None
     except OSError as error:
-        raise UpstreamError("unreachable", f"{where}: {error}") from None
+        raise UpstreamError("unreachable", str(error)) from None
     except trio.BrokenResourceError as error:
         cause = error.__cause__
         detail = getattr(cause, "verify_message", None) or getattr(cause, "reason", None) or cause
-        raise UpstreamError("unreachable", f"{where}: TLS handshake failed: {detail}") from None
+        raise UpstreamError("unreachable", f"TLS handshake failed: {detail}") from None
     connection = UpstreamConnection(stream, settings, tls=context is not None)
     try:
         async with background_tasks() as nursery:
