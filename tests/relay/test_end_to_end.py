@@ -17,6 +17,7 @@ import trio
 
 from jobsignal.app import RunningJobsignal
 from jobsignal.client import SubscribeOptions, check_health
+from jobsignal.relay.source import Relay
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from jobsignal.store.model import event_id
@@ -142,7 +143,9 @@ async def test_through_an_upstream_restart_subscribers_see_exactly_the_changes(
             before = events_of(signals)
 
             stop_first.set()  # the upstream goes away: the relay keeps serving its last state
-            await wait_until(lambda: relay._parts.source.counters.upstream_errors.total() > 0)
+            relaying = relay._parts.source
+            assert isinstance(relaying, Relay)
+            await wait_until(lambda: relaying.counters.upstream_errors.total() > 0)
             assert relay._parts.status.in_sync  # within the grace
             await wait_until(lambda: not relay._parts.status.in_sync, within=10)
             assert await health(relay, SOURCE_HEALTH) == "NOT_SERVING"
@@ -186,5 +189,5 @@ async def test_through_an_upstream_restart_subscribers_see_exactly_the_changes(
         if not event.job.is_deleted:
             assert event.uuid == upstream_ids[event.job]
     # The List subscriber (its snapshot: the empty cluster) saw the same events.
-    assert list(lists.messages)[0].jobSummarySignals == []
+    assert next(iter(lists.messages)).jobSummarySignals == []
     assert [(e.uuid, e.job) for e in list_events(lists)] == [(e.uuid, e.job) for e in seen]

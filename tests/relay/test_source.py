@@ -7,6 +7,7 @@ before health turns NOT_SERVING, and its end when a snapshot is applied.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -137,7 +138,7 @@ async def test_backoff_doubles_to_its_ceiling_and_resets_after_a_snapshot(
 ) -> None:
     async with running_relay(down=True) as run:
         await trio.sleep(120)
-        gaps = [b - a for a, b in zip(run.upstream.attempts, run.upstream.attempts[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(run.upstream.attempts)]
         assert gaps[:7] == pytest.approx([0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 30.0])
         assert run.relay.counters.upstream_errors["unreachable"] == len(run.upstream.attempts)
         run.upstream.down = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -91,7 +92,7 @@ def test_a_signal_without_a_uuid_gets_the_id_derived_from_its_state() -> None:
     ],
 )
 def test_a_signal_failing_the_stores_checks_is_rejected_and_the_job_kept(
-    change: dict[str, str], reason: str
+    change: dict[str, Any], reason: str
 ) -> None:
     jobs = RelayedJobs()
     good = make_job(1)
