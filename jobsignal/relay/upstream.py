@@ -260,7 +260,8 @@ class UpstreamConnection:
 
     def _feed(self, call: _Call, data: bytes) -> None:
         """Take in DATA: complete messages to the call's queue; a message whose
-        announced length is over the bound fails the connection before its body arrives."""
+        announced length is over the bound fails the call (and so the connection)
+        before its body arrives, once the messages before it are taken."""
         if not call.headers or call.error is not None:
             return
         buffer = call.buffer
@@ -268,17 +269,21 @@ class UpstreamConnection:
         while len(buffer) >= 5:
             compressed, length = struct.unpack_from(">?I", buffer)
             if length > self._settings.max_message_bytes:
-                raise UpstreamError(
+                call.error = UpstreamError(
                     "too_large",
                     f"a message of {length} bytes, over --upstream-max-message-bytes"
                     f" ({self._settings.max_message_bytes})",
                 )
-            if compressed:
-                raise UpstreamError("protocol", "a compressed message (none was negotiated)")
-            if len(buffer) < 5 + length:
-                break
-            call.messages.append(bytes(buffer[5 : 5 + length]))
-            del buffer[: 5 + length]
+            elif compressed:
+                call.error = UpstreamError("protocol", "a compressed message (none negotiated)")
+            elif len(buffer) >= 5 + length:
+                call.messages.append(bytes(buffer[5 : 5 + length]))
+                del buffer[: 5 + length]
+                continue
+            else:
+                return  # the rest of the message is still to come
+            buffer.clear()  # failed: nothing more of it is kept
+            return
 
     # -- writing and keepalive ---------------------------------------------------
 
