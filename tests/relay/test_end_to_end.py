@@ -19,14 +19,14 @@ from jobsignal.app import RunningJobsignal
 from jobsignal.client import SubscribeOptions, check_health
 from jobsignal.relay.source import Relay
 from jobsignal.sim.clusterd import ClusterdJob
-from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from jobsignal.sim.emulator import open_emulator
 from jobsignal.store.model import event_id
 from tests.support.cluster import TOKEN, Cluster, expected_summary
 from tests.support.events import Event, event_of, events_of, wait_for_events
 from tests.support.factories import clusterd_job
 from tests.support.grpcio import GrpcioClients, GrpcioStream
 from tests.support.kube_server import open_kube_server, subscribe
-from tests.support.relay import open_relay_server
+from tests.support.relay import open_relay_server, serve_upstream
 from tests.support.waiting import wait_until
 
 SOURCE_HEALTH = "jobsignal.KubernetesSync"
@@ -100,23 +100,6 @@ async def test_a_relay_serves_its_upstreams_events_with_the_upstreams_uuids(
         ("b", "running", "delete"),
         ("m", "pending", "add"),
     ]
-
-
-async def serve_upstream(
-    emu: KubeEmulator,
-    tmp_path: Path,
-    stop: trio.Event,
-    listen: str,
-    *,
-    task_status: trio.TaskStatus[RunningJobsignal] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """An upstream jobsignal until `stop` is set (a task of its own, so the relay,
-    opened after it, can outlive it)."""
-    async with open_kube_server(
-        emu, tmp_path, ready=True, shutdown_grace="1", listen=listen
-    ) as server:
-        task_status.started(server)
-        await stop.wait()
 
 
 async def test_through_an_upstream_restart_subscribers_see_exactly_the_changes(

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
 
 from jobsignal.app import RunningJobsignal
 from jobsignal.config import load_config
+from jobsignal.sim.emulator import KubeEmulator
 
-from .kube_server import open_configured_server
+from .kube_server import open_configured_server, open_kube_server
 
 
 @asynccontextmanager
@@ -27,3 +31,20 @@ async def open_relay_server(
     config = load_config({**settings, **flags}, {})
     async with open_configured_server(config, ready=ready) as server:
         yield server
+
+
+async def serve_upstream(
+    emu: KubeEmulator,
+    tmp_path: Path,
+    stop: trio.Event,
+    listen: str,
+    *,
+    task_status: trio.TaskStatus[RunningJobsignal] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """An upstream jobsignal watching `emu` on `listen` until `stop` is set: a task
+    of its own, so a relay opened after it can outlive it (and see it restart)."""
+    async with open_kube_server(
+        emu, tmp_path, ready=True, shutdown_grace="1", listen=listen
+    ) as server:
+        task_status.started(server)
+        await stop.wait()
