@@ -84,7 +84,11 @@ def built(config: Config) -> dict[str, object]:
 # differ from each other, so a swap fails too.
 CERT, KEY, CA = Path("c.pem"), Path("k.pem"), Path("ca.pem")
 # The relay's TLS files, which go together.
-UPSTREAM_FILES = {"relay.tls_ca": "ca.pem", "relay.tls_cert": "c.pem", "relay.tls_key": "k.pem"}
+UPSTREAM_FILES: dict[str, object] = {
+    "relay.tls_ca": "ca.pem",
+    "relay.tls_cert": "c.pem",
+    "relay.tls_key": "k.pem",
+}
 REACHES: dict[str, tuple[str, str | dict[str, object]]] = {
     "listen": (
         "127.0.0.1:9001,[::1]:9002",
