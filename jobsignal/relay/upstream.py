@@ -329,30 +329,36 @@ class UpstreamConnection:
         await trio.aclose_forcefully(self._stream)
 
 
+def _unreachable(settings: RelaySettings, error: Exception) -> UpstreamError:
+    if isinstance(error, trio.TooSlowError):
+        return UpstreamError("unreachable", f"no connection within {settings.connect_timeout:g}s")
+    if isinstance(error, trio.BrokenResourceError):  # the TLS handshake failed
+        cause = error.__cause__
+        detail = getattr(cause, "verify_message", None) or getattr(cause, "reason", None) or cause
+        return UpstreamError("unreachable", f"TLS handshake failed: {detail}")
+    return UpstreamError("unreachable", str(error))
+
+
 @asynccontextmanager
 async def open_upstream(
     settings: RelaySettings, context: ssl.SSLContext | None
 ) -> AsyncIterator[UpstreamConnection]:
     """A connection to the upstream (TCP, TLS with `context`, the HTTP/2 preface),
     kept alive while the block runs and closed after it."""
+    stream: trio.abc.Stream | None = None
     try:
         with trio.fail_after(settings.connect_timeout):
-            stream: trio.abc.Stream = await trio.open_tcp_stream(settings.host, settings.port)
+            stream = await trio.open_tcp_stream(settings.host, settings.port)
             if context is not None:
                 name = settings.tls_server_name or settings.host
-                tls = trio.SSLStream(stream, context, server_hostname=name)
-                stream = tls
-                await tls.do_handshake()
-    except trio.TooSlowError:
-        raise UpstreamError(
-            "unreachable", f"no connection within {settings.connect_timeout:g}s"
-        ) from None
-    except OSError as error:
-        raise UpstreamError("unreachable", str(error)) from None
-    except trio.BrokenResourceError as error:
-        cause = error.__cause__
-        detail = getattr(cause, "verify_message", None) or getattr(cause, "reason", None) or cause
-        raise UpstreamError("unreachable", f"TLS handshake failed: {detail}") from None
+                stream = trio.SSLStream(stream, context, server_hostname=name)
+                await stream.do_handshake()
+    except BaseException as error:  # (cancelled too: the socket is closed either way)
+        if stream is not None:
+            await trio.aclose_forcefully(stream)
+        if isinstance(error, trio.TooSlowError | OSError | trio.BrokenResourceError):
+            raise _unreachable(settings, error) from None
+        raise
     connection = UpstreamConnection(stream, settings, tls=context is not None)
     try:
         async with background_tasks() as nursery:
