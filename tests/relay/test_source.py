@@ -17,10 +17,12 @@ import trio
 import trio.testing
 
 from jobsignal.fanout.encoding import encode_signal, encode_signal_list
+from jobsignal.kube.watcher import Watcher
 from jobsignal.relay.settings import RelaySettings
 from jobsignal.relay.source import ListStream, Relay
 from jobsignal.relay.state import MAX_JOBS, RelayedJobs
 from jobsignal.relay.upstream import UpstreamError
+from jobsignal.source import JobSource
 from jobsignal.status import SourceStatus
 from jobsignal.store.model import JobSummary, event_id
 from tests.support.factories import make_job
@@ -262,3 +264,10 @@ async def test_a_snapshot_lost_half_way_is_taken_again_whole(
         await run.upstream.send(batch([two, three], total=2))
         await settle()
         assert run.published == [one, two, three, one.as_deleted(str(int(NOW)))]
+
+
+def test_the_relay_and_the_watcher_are_job_sources() -> None:
+    """What app.py wires into the store and fan-out: mypy checks that both classes
+    fit the interface (jobsignal/source.py); the rest of the server sees only it."""
+    sources: list[type[JobSource]] = [Relay, Watcher]
+    assert [source.run.__name__ for source in sources] == ["run", "run"]
