@@ -1,8 +1,9 @@
 """The root of a jobsignal server: one nursery, started in order.
 
 gRPC server first (it answers health NOT_SERVING at once), then the source
-(watcher against Kubernetes, or the embedded demo cluster) which marks the
-server ready once the first LIST is applied. `shutdown` ends it gracefully.
+(watcher against Kubernetes or the embedded demo cluster, or a relay of an
+upstream job.Job server) which marks the server ready once the first LIST, or
+the upstream's first snapshot, is applied. `shutdown` ends it gracefully.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 
 if TYPE_CHECKING:  # imported where used: without them a server loads no prometheus_client or h11
+    import ssl
+
     from jobsignal.events import JobEvents
     from jobsignal.metrics import MetricSources
     from jobsignal.metrics_server import HttpStats
+    from jobsignal.relay.source import Relay  # (and no gRPC client unless it relays)
+    from jobsignal.relay.state import RelayedJobs
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +54,15 @@ class ServerParts:
 
     broadcaster: Broadcaster
     registry: Registry
-    store: JobStore
+    store: JobStore | RelayedJobs
     status: SourceStatus
-    watcher: Watcher
+    source: Watcher | Relay
     grpc: RunningServer
+
+    @property
+    def watcher(self) -> Watcher:
+        assert isinstance(self.source, Watcher), "this server relays: it has no watcher"
+        return self.source
 
 
 class RunningJobsignal:
@@ -133,8 +143,8 @@ def server_settings(config: Config) -> ServerSettings:
 
 
 def choose_connection(config: Config, environ: Mapping[str, str]) -> KubeConnection | None:
-    """The cluster to watch, or None for the embedded demo cluster."""
-    if config.source == "demo":
+    """The cluster to watch, or None for the embedded demo cluster (or a relay)."""
+    if config.source in ("demo", "relay"):
         return None
     try:
         connection = discover(
@@ -186,16 +196,40 @@ async def run_source(
             await trio.sleep_forever()
 
 
+async def run_relay_source(
+    config: Config,
+    context: ssl.SSLContext | None,
+    jobs: RelayedJobs,
+    broadcaster: Broadcaster,
+    status: SourceStatus,
+    *,
+    task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The relay source (jobsignal/relay/): the upstream's jobs into `jobs`."""
+    from jobsignal.relay.settings import RelaySettings
+    from jobsignal.relay.source import Relay, stream_opener
+
+    settings = RelaySettings.from_config(config)
+    relay = Relay(stream_opener(settings, context), jobs, broadcaster.publish, status, settings)
+    log.info("relaying the job.Job server at %s as %s", settings.address, settings.role)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.run)
+        task_status.started(relay)
+
+
 def metric_sources(
     broadcaster: Broadcaster,
     registry: Registry,
     server: RunningServer,
-    store: JobStore,
-    watcher: Watcher,
+    store: JobStore | RelayedJobs,
+    source: Watcher | Relay,
     status: SourceStatus,
     http_stats: HttpStats,
 ) -> MetricSources:
     from jobsignal.metrics import MetricSources
+
+    watcher = source if isinstance(source, Watcher) else None
+    relay = None if isinstance(source, Watcher) else source
 
     def subscribers() -> Counter[tuple[str, str]]:
         return Counter((s.kind.value, s.role) for s in broadcaster.subscribers)
@@ -222,10 +256,11 @@ def metric_sources(
         rate_limited=server.rate_limited,
         http_errors=lambda: http_stats.errors,
         jobs=store.live_job_count,
-        configmaps_rejected=lambda: store.rejected_total,
-        watch_counters=lambda: watcher.counters,
+        configmaps_rejected=lambda: store.rejected_total if watcher is not None else {},
+        watch_counters=None if watcher is None else (lambda: watcher.counters),
         last_sync_time=lambda: status.last_sync_time,
         source_in_sync=lambda: status.in_sync,
+        relay_counters=None if relay is None else (lambda: relay.counters),
     )
 
 
@@ -284,8 +319,18 @@ def readiness(status: SourceStatus, draining: trio.Event) -> str | None:
     if draining.is_set():
         return "shutting down"
     if not status.ready.is_set():
-        return "the job store is not loaded yet (first LIST pending)"
+        return "the job store is not loaded yet (first LIST pending)"  # (or first snapshot)
     return None
+
+
+def _relay_tls(config: Config) -> ssl.SSLContext | None:
+    """The relay's TLS context for its upstream, loaded once: a broken file is a
+    ConfigError at start-up. None without TLS, or when not relaying."""
+    if config.source != "relay":
+        return None
+    from jobsignal.relay.settings import RelaySettings
+
+    return RelaySettings.from_config(config).ssl_context()
 
 
 def _most_connections(config: Config) -> int:
@@ -314,12 +359,17 @@ async def run_jobsignal(
     both also affect an embedding program.
     """
     connection = choose_connection(config, environ)
+    relay_tls = _relay_tls(config)
     settings = server_settings(config)
     if (why := shortfall(_most_connections(config), open_file_limit())) is not None:
         log.warning("%s", why)
     if shutdown is None:  # (a trio.Event has no truth value)
         shutdown = trio.Event()
-    store = JobStore()
+    store: JobStore | RelayedJobs = JobStore()
+    if config.source == "relay":
+        from jobsignal.relay.state import RelayedJobs
+
+        store = RelayedJobs()
     status = SourceStatus()
     broadcaster = Broadcaster.from_config(config, jobs=store)  # the store owns the job state
     registry = Registry.from_config(config)
@@ -337,9 +387,13 @@ async def run_jobsignal(
             status,
             shutdown,
         )
-        watcher: Watcher = await nursery.start(
-            run_source, config, connection, store, broadcaster, status
-        )
+        source: Watcher | Relay
+        if isinstance(store, JobStore):
+            source = await nursery.start(run_source, config, connection, store, broadcaster, status)
+        else:
+            source = await nursery.start(
+                run_relay_source, config, relay_tls, store, broadcaster, status
+            )
         metrics_port = None
         if config.metrics_listen is not None:
             from jobsignal.metrics import build_registry
@@ -347,7 +401,7 @@ async def run_jobsignal(
 
             http_stats = HttpStats()
             sources = metric_sources(
-                broadcaster, registry, server, store, watcher, status, http_stats
+                broadcaster, registry, server, store, source, status, http_stats
             )
             host, port = config.metrics_listen
             metrics_port = await nursery.start(
@@ -361,7 +415,7 @@ async def run_jobsignal(
                 build_registry(sources),
             )
         nursery.start_soon(_settle_memory_after_lists, status)
-        parts = ServerParts(broadcaster, registry, store, status, watcher, server)
+        parts = ServerParts(broadcaster, registry, store, status, source, server)
         task_status.started(RunningJobsignal(parts, shutdown, metrics_port))
         await server.stopped.wait()
         nursery.cancel_scope.cancel()

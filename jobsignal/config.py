@@ -130,6 +130,12 @@ def _text(text: str) -> str:
     return text
 
 
+def _name(text: str) -> str:
+    if _names(text) != (text,):
+        raise ValueError("must be one name")
+    return text
+
+
 def _path(text: str) -> str:
     return text
 
@@ -147,6 +153,7 @@ _VALUE_NAMES: dict[Callable[[str], Any], str] = {
     _names: "NAME,...",
     _path: "FILE",
     _text: "TEXT",
+    _name: "NAME",
 }
 
 
@@ -245,9 +252,10 @@ class Config:
     )
     source: str = setting(
         "auto",
-        _choice("auto", "kubernetes", "demo"),
-        "where ConfigMaps come from: kubernetes (in-cluster or kubeconfig), demo (embedded"
-        " emulated cluster), or auto (kubernetes when configured, else demo)",
+        _choice("auto", "kubernetes", "demo", "relay"),
+        "where jobs come from: kubernetes (ConfigMaps, in-cluster or kubeconfig), demo"
+        " (embedded emulated cluster), relay (another job.Job server: --upstream), or auto"
+        " (kubernetes when configured, else demo)",
         group="Kubernetes",
     )
     kubeconfig: str = setting(
@@ -278,6 +286,55 @@ class Config:
         _positive_float,
         "restart a WATCH silent for this long (above the ~60 s bookmark interval)",
         group="Kubernetes",
+    )
+    upstream: tuple[str, int] | None = setting(
+        "",
+        _optional_listen,
+        "the job.Job server --source relay subscribes to (ClusterD or another jobsignal)",
+        group="relay",
+    )
+    upstream_role: str = setting(
+        "DefaultUser2",
+        _name,
+        "role the relay registers with upstream",
+        metavar="ROLE",
+        group="relay",
+    )
+    upstream_tls_ca: str = setting(
+        "",
+        _path,
+        "PEM CA bundle verifying the upstream: connect over TLS ('system': the system's"
+        " trust store)",
+        group="relay",
+    )
+    upstream_tls_cert: str = setting(
+        "",
+        _path,
+        "PEM client certificate chain for mutual TLS with the upstream (needs --upstream-tls-ca)",
+        group="relay",
+    )
+    upstream_tls_key: str = setting(
+        "", _path, "PEM private key of --upstream-tls-cert", group="relay"
+    )
+    upstream_tls_server_name: str = setting(
+        "",
+        _text,
+        "name the upstream's certificate must carry (default: the --upstream host)",
+        metavar="NAME",
+        group="relay",
+    )
+    upstream_grace: float = setting(
+        "30",
+        _positive_float,
+        "seconds the upstream may be lost (its last state still served) before health"
+        " turns NOT_SERVING",
+        group="relay",
+    )
+    upstream_max_message_bytes: int = setting(
+        "16777216",
+        _bytes,
+        "largest message taken from the upstream; a bigger one ends the connection",
+        group="relay",
     )
     idle_timeout: float = setting(
         "120",
@@ -571,10 +628,32 @@ def load_config(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> 
         raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
     if config.tls_client_ca and not config.tls_cert:
         raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    _check_relay(config)
     unknown = set(config.snapshot_roles) - set(config.roles)
     if unknown:
         raise ConfigError(f"snapshot roles {sorted(unknown)} are not among the allowed roles")
     return config
+
+
+def _check_relay(config: Config) -> None:
+    """--source relay needs --upstream, which nothing else takes; the upstream's TLS
+    files go with a CA, as `jobsignal subscribe`'s do."""
+    relay = config.source == "relay"
+    if relay and config.upstream is None:
+        raise ConfigError("--source relay needs --upstream HOST:PORT")
+    if not relay and config.upstream is not None:
+        raise ConfigError("--upstream is for --source relay")
+    if not config.upstream_tls_ca and (
+        config.upstream_tls_cert or config.upstream_tls_key or config.upstream_tls_server_name
+    ):
+        raise ConfigError(
+            "--upstream-tls-cert, --upstream-tls-key and --upstream-tls-server-name need"
+            " --upstream-tls-ca (a PEM CA bundle, or 'system' for the system's trust store)"
+        )
+    if bool(config.upstream_tls_cert) != bool(config.upstream_tls_key):
+        raise ConfigError(
+            "--upstream-tls-cert and --upstream-tls-key go together: give both or neither"
+        )
 
 
 # Every setting at its default: the layers' keyword defaults read it, so a default is

@@ -141,7 +141,8 @@ class JobEvent:
     """One job event: what happened, the job's state after it, and its uuid.
 
     `uuid` is the one a gRPC client gets for the same event: derived from the
-    state, so every replica and every restart gives it the same id.
+    state, so every replica and every restart gives it the same id (a relay's:
+    its upstream's, passed on).
     """
 
     kind: EventKind

@@ -38,6 +38,7 @@ from jobsignal.version import __version__
 
 if TYPE_CHECKING:
     from jobsignal.kube.watcher import WatchCounters
+    from jobsignal.relay.source import RelayCounters
 
 
 @dataclass
@@ -63,9 +64,11 @@ class MetricSources:
     http_errors: Callable[[], Mapping[str, int]]
     jobs: Callable[[], int]
     configmaps_rejected: Callable[[], Mapping[str, int]]
-    watch_counters: Callable[[], WatchCounters]
+    # The source's own counters: the Kubernetes watcher's, or a relay's.
+    watch_counters: Callable[[], WatchCounters] | None
     last_sync_time: Callable[[], float | None]
     source_in_sync: Callable[[], bool]
+    relay_counters: Callable[[], RelayCounters] | None = None
 
 
 @dataclass(frozen=True)
@@ -294,16 +297,20 @@ class JobsignalCollector(Collector):
             sources.configmaps_rejected(),
             CONFIGMAP_REJECTION_REASONS,
         )
-        yield from _kube_families(sources.watch_counters())
+        if sources.watch_counters is not None:
+            yield from _kube_families(sources.watch_counters())
+        if sources.relay_counters is not None:
+            yield from _relay_families(sources.relay_counters())
         last_sync = sources.last_sync_time()
         yield GaugeMetricFamily(
             "jobsignal_last_sync_timestamp_seconds",
-            "Unix time the Kubernetes API was last heard from (0: never).",
+            "Unix time the Kubernetes API (a relay: the upstream) was last heard from (0: never).",
             value=last_sync or 0,
         )
         yield GaugeMetricFamily(
             "jobsignal_source_in_sync",
-            "1 while the watch is connected, 0 while the API is unreachable.",
+            "1 while the watch is connected, 0 while the API is unreachable (a relay: 0 once"
+            " the upstream has been lost for --upstream-grace).",
             value=1 if sources.source_in_sync() else 0,
         )
 
@@ -359,6 +366,52 @@ def _kube_families(counters: WatchCounters) -> Iterator[Metric]:
         "Job events served without HcclJson because the rank table joined from the job's"
         " ConfigMaps was over 64 Mi characters (logged, rate-limited).",
         value=counters.rank_tables_over_cap,
+    )
+
+
+def _relay_families(counters: RelayCounters) -> Iterator[Metric]:
+    """A relay's counters (jobsignal/relay/), each in exactly one series."""
+    from jobsignal.relay.upstream import REASONS as UPSTREAM_REASONS
+    from jobsignal.relay.wire import REASONS as WIRE_REASONS
+
+    yield CounterMetricFamily(
+        "jobsignal_relay_subscriptions_total",
+        "Subscriptions made to the upstream (Register and SubscribeJobSummarySignalList answered).",
+        value=counters.subscriptions,
+    )
+    yield CounterMetricFamily(
+        "jobsignal_relay_snapshots_total",
+        "Upstream snapshots (every batch until JobTotalNum) applied to the relayed state.",
+        value=counters.snapshots,
+    )
+    yield CounterMetricFamily(
+        "jobsignal_relay_messages_total",
+        "JobSummarySignalList messages received from the upstream.",
+        value=counters.messages,
+    )
+    yield _counter(
+        "jobsignal_relay_upstream_errors_total",
+        "Upstream connections ended, by reason (internal: an unexpected fault, logged with"
+        " its traceback); each followed by a backoff and a reconnect.",
+        "reason",
+        counters.upstream_errors,
+        [*UPSTREAM_REASONS, "internal"],
+    )
+    yield _counter(
+        "jobsignal_relay_messages_rejected_total",
+        "Upstream messages refused whole as malformed, by reason (a snapshot batch also"
+        " ends the connection).",
+        "reason",
+        counters.messages_rejected,
+        WIRE_REASONS,
+    )
+    yield _counter(
+        "jobsignal_relay_signals_rejected_total",
+        "Upstream signals rejected by the store's checks or as malformed, by reason; the"
+        " job keeps its last good state.",
+        "reason",
+        counters.signals_rejected,
+        [*CONFIGMAP_REJECTION_REASONS, *WIRE_REASONS],
     )
 
 

@@ -119,7 +119,7 @@ def test_help_groups_keep_their_order_and_each_flag_its_group(
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     help_text = capsys.readouterr().out
-    titles = ["gRPC", "TLS", "metrics", "Kubernetes", "limits", "keepalive"]
+    titles = ["gRPC", "TLS", "metrics", "Kubernetes", "relay", "limits", "keepalive"]
     titles += ["HTTP/2 protection", "shutdown", "logging"]
     found = re.findall(r"^(\S[^\n]*):$", help_text, re.M)
     assert found == ["options", *titles]

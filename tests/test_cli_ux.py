@@ -42,6 +42,7 @@ GROUPS = [
     "TLS",
     "metrics",
     "Kubernetes",
+    "relay",
     "limits",
     "keepalive",
     "HTTP/2 protection",
@@ -125,7 +126,10 @@ def test_serve_help_groups_the_flags_and_names_their_values(
     assert flags["--register-rate"] == ("limits", "PER_SECOND")
     assert flags["--max-stream-resets-per-second"] == ("HTTP/2 protection", "PER_SECOND")
     assert flags["--metrics-listen"] == ("metrics", "HOST:PORT")
-    assert flags["--source"] == ("Kubernetes", "{auto,kubernetes,demo}")
+    assert flags["--source"] == ("Kubernetes", "{auto,kubernetes,demo,relay}")
+    assert flags["--upstream"] == ("relay", "HOST:PORT")
+    assert flags["--upstream-role"] == ("relay", "ROLE")
+    assert flags["--upstream-grace"] == ("relay", "SECONDS")
     assert flags["--log-level"] == ("logging", "{debug,info,warning,error}")
     # A help text with a literal % (the ping interval's) does not break --help.
     assert "less 10% for timer jitter" in " ".join(out.split())

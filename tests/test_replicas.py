@@ -32,11 +32,12 @@ from tests.support.waiting import wait_until
 
 JOB = ClusterdJob("training", "resnet50", "6f1c1d0e-0000-4000-8000-000000000001", servers=2)
 
-#: Every field a client sees, except deleteTime (see test_delete_time_alone_keeps_the_id).
+#: Every field a client sees, except deleteTime (see test_delete_time_alone_keeps_the_id);
+#: `event_uuid` is an id a source gave, not a field (test_an_id_the_source_gave_is_kept).
 VISIBLE_FIELDS = [
     field.name
     for field in dataclasses.fields(JobSummary)
-    if field.name not in ("delete_time", "npu_count")
+    if field.name not in ("delete_time", "npu_count", "event_uuid")
 ]
 
 
@@ -86,6 +87,14 @@ def test_delete_time_alone_keeps_the_id() -> None:
     assert deleted.delete_time != elsewhere.delete_time
     assert event_id(deleted) == event_id(elsewhere)
     assert event_id(deleted) != event_id(running())  # the operator changed
+
+
+def test_an_id_the_source_gave_is_kept_and_a_delete_made_of_it_gets_its_own() -> None:
+    """A relay passes its upstream's uuids on (docs/architecture.md section 4)."""
+    given = dataclasses.replace(running(), event_uuid="from-the-upstream")
+    assert event_id(given) == "from-the-upstream"
+    assert given == running()  # the same state: no change for the store or a relay
+    assert event_id(given.as_deleted("1")) == event_id(running().as_deleted("1"))
 
 
 def test_text_that_is_not_utf8_encodable_still_gets_an_id() -> None:

@@ -18,6 +18,7 @@ import pytest
 from jobsignal.config import DEFAULTS, Config, LayerSettings, configure
 from jobsignal.fanout import Broadcaster
 from jobsignal.kube.watcher import WatchSettings
+from jobsignal.relay.settings import RelaySettings
 from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.keepalive import KeepalivePolicy
@@ -37,6 +38,7 @@ LAYER_SETTINGS: list[type[LayerSettings]] = [
     Limits,
     WatchSettings,
     ServerSettings,
+    RelaySettings,
 ]
 
 
@@ -70,6 +72,7 @@ def built(config: Config) -> dict[str, object]:
     return {
         **leaves("server", ServerSettings.from_config(config)),
         **leaves("watch", WatchSettings.from_config(config)),
+        **leaves("relay", RelaySettings.from_config(config)),
         **broadcaster_limits(Broadcaster.from_config(config)),
         **registry_limits(Registry.from_config(config)),
     }
@@ -80,6 +83,12 @@ def built(config: Config) -> dict[str, object]:
 # keeps another form, every field that must change and to what. The values
 # differ from each other, so a swap fails too.
 CERT, KEY, CA = Path("c.pem"), Path("k.pem"), Path("ca.pem")
+# The relay's TLS files, which go together.
+UPSTREAM_FILES: dict[str, object] = {
+    "relay.tls_ca": "ca.pem",
+    "relay.tls_cert": "c.pem",
+    "relay.tls_key": "k.pem",
+}
 REACHES: dict[str, tuple[str, str | dict[str, object]]] = {
     "listen": (
         "127.0.0.1:9001,[::1]:9002",
@@ -134,10 +143,30 @@ REACHES: dict[str, tuple[str, str | dict[str, object]]] = {
     "subscribe_rate": ("103", "server.limits.subscribe_rate"),
     "subscribe_burst": ("202", "server.limits.subscribe_burst"),
     "shutdown_grace": ("8", "server.shutdown_grace"),
+    "upstream": ("127.0.0.1:9003", {"relay.upstream": ("127.0.0.1", 9003)}),
+    "upstream_role": ("FdAgent", "relay.role"),
+    "upstream_tls_ca": ("ca.pem", "relay.tls_ca"),
+    "upstream_tls_cert": ("c.pem", UPSTREAM_FILES),
+    "upstream_tls_key": ("k.pem", UPSTREAM_FILES),
+    "upstream_tls_server_name": ("up", {"relay.tls_ca": "ca.pem", "relay.tls_server_name": "up"}),
+    "upstream_grace": ("32", "relay.grace"),
+    "upstream_max_message_bytes": ("16777217", "relay.max_message_bytes"),
 }
-# Settings load_config accepts only together with others: the TLS files.
+# Settings load_config accepts only together with others: the TLS files; the
+# upstream's (and the upstream itself, which needs --source relay: no layer's).
 TLS = {"tls_cert": "c.pem", "tls_key": "k.pem"}
-NEEDS = {name: TLS for name in ("tls_cert", "tls_key", "tls_client_ca")}
+UPSTREAM_TLS = {
+    "upstream_tls_ca": "ca.pem",
+    "upstream_tls_cert": "c.pem",
+    "upstream_tls_key": "k.pem",
+}
+NEEDS: dict[str, dict[str, str]] = {
+    **{name: TLS for name in ("tls_cert", "tls_key", "tls_client_ca")},
+    "upstream": {"source": "relay"},
+    "upstream_tls_cert": UPSTREAM_TLS,
+    "upstream_tls_key": UPSTREAM_TLS,
+    "upstream_tls_server_name": {"upstream_tls_ca": "ca.pem"},
+}
 
 # Settings no layer takes: the module that reads them from its Config instead.
 READ_BY_MODULE = {

@@ -212,6 +212,14 @@ def parse_slice(configmap: Mapping[str, Any], previous: Slice | None = None) -> 
     return Slice(ref, fields, cm_index, hccl_raw, header, servers, npu_count)
 
 
+def rank_table_npus(ref: ConfigMapRef, raw: str) -> int:
+    """Validate a whole job's rank table as a single ConfigMap's hccl.json is
+    (strict JSON, an object with a list of server objects); its NPU count.
+    Blank is no table (0). `BadConfigMap` as `parse_slice` raises it; the
+    caller bounds the length. A relay checks its upstream's HcclJson with it."""
+    return _parse_rank_table(ref, raw, split=False)[2]
+
+
 _DECIMAL = re.compile(r"[0-9]{1,9}")
 
 

@@ -56,10 +56,14 @@ class JobSummary(SignalFields):
     """Everything a `JobSummarySignal` carries except its per-event `uuid`.
 
     `npu_count` is derived from the rank table and is not compared: it never
-    differs when `hccl_json` does not.
+    differs when `hccl_json` does not. `event_uuid` is the id the source gave
+    the event ("" for none: `event_id` derives it): a relay passes on its
+    upstream's (docs/architecture.md section 4, "Relaying another server").
+    It is not compared either: the same state under another id is no change.
     """
 
     npu_count: int = dataclasses.field(default=0, compare=False)
+    event_uuid: str = dataclasses.field(default="", compare=False)
 
     @property
     def key(self) -> JobKey:
@@ -70,9 +74,13 @@ class JobSummary(SignalFields):
         return self.operator == OPERATOR_DELETE
 
     def as_deleted(self, delete_time: str) -> JobSummary:
-        """This job ended: same state, operator delete, deleteTime kept if already set."""
+        """This job ended: same state, operator delete, deleteTime kept if already set.
+        A new event, so not the id a source gave the state it ends."""
         return dataclasses.replace(
-            self, operator=OPERATOR_DELETE, delete_time=self.delete_time or delete_time
+            self,
+            operator=OPERATOR_DELETE,
+            delete_time=self.delete_time or delete_time,
+            event_uuid="",
         )
 
 
@@ -82,9 +90,10 @@ EVENT_ID_NAMESPACE = bytes.fromhex("720fcb3824244a4c8de064942ee0d6d9")
 
 
 def event_id(job: JobSummary) -> str:
-    """The uuid of the event that reports `job` in this state: the same on every
-    replica and after every restart, and different whenever a client-visible
-    field differs.
+    """The uuid of the event that reports `job` in this state: the id its source
+    gave it (`event_uuid`: a relay's upstream's), else one derived from it, the
+    same on every replica and after every restart, and different whenever a
+    client-visible field differs.
 
     A UUIDv5 under `EVENT_ID_NAMESPACE` over the SHA-256 of the job's identity
     and state, each field as UTF-8 (lone surrogates passed through, so nothing
@@ -93,6 +102,8 @@ def event_id(job: JobSummary) -> str:
     each replica stamps the delete with its own clock, and it must still be one
     event. `npu_count` is derived from the rank table.
     """
+    if job.event_uuid:
+        return job.event_uuid
     digest = hashlib.sha256()
     for value in (
         job.namespace,

@@ -27,13 +27,17 @@ import trio
 from jobsignal.fanout import EndReason
 from jobsignal.rpc.keepalive import KeepalivePolicy
 from jobsignal.rpc.session import SessionSettings
-from tests.support.factories import make_job
+from jobsignal.sim.emulator import open_emulator
+from jobsignal.store.model import event_id
+from tests.support.cluster import TOKEN, Cluster, expected_summary
+from tests.support.factories import clusterd_job, make_job
 from tests.support.grpc_server import (
     local_settings,
     make_registry,
     open_jobsignal_server,
 )
 from tests.support.grpcio import GrpcioClients, GrpcioStream
+from tests.support.relay import open_relay_server, serve_upstream
 from tests.support.threads import in_thread
 from tests.support.tls import Pki
 from tests.support.waiting import wait_until
@@ -52,6 +56,7 @@ from .peers import (
     quiet_pings,
     run_to_end,
     running,
+    sha256,
     uuids_of,
 )
 
@@ -162,6 +167,72 @@ async def test_list_snapshot_of_several_large_jobs_then_a_live_change(go_peer: P
     assert_signals(
         Peer(["live"], [{"event": "message", **live}]), [change], {"uid-0002": change_uuid}
     )
+    assert_no_goaway(peer)
+
+
+# -- a relay in front of a ClusterD-style server -------------------------------------------
+
+
+async def test_a_grpc_go_subscriber_of_a_relay_gets_every_change_through_an_upstream_restart(
+    go_peer: Path, tmp_path: Path
+) -> None:
+    """Issue 38's "done": a grpc-go List subscriber of `jobsignal serve --source relay`,
+    whose upstream is a jobsignal watching the emulated cluster, receives every change
+    written to the cluster with the upstream's uuids, through an upstream restart.
+
+    (bench/go/reference, the grpc-go server written like ClusterD, serves neither the
+    List RPC nor a cluster's changes: it publishes a benchmark's fixed jobs.)
+    """
+    a, b, c, d = (clusterd_job(name) for name in ("a", "b", "c", "d"))
+    async with open_emulator(token=TOKEN) as emu, trio.open_nursery() as nursery:
+        cluster = Cluster(emu.state)
+        stop = trio.Event()
+        first = await nursery.start(serve_upstream, emu, tmp_path, stop, "127.0.0.1:0")
+        port = first.port
+        async with open_relay_server(port) as relay:
+            argv = go(go_peer, "subscribe-list", f"127.0.0.1:{relay.port}", role="CCAgent")
+            async with running(argv) as peer:
+                await peer.wait_for(lambda p: len(p.messages) == 1, within=20, what="snapshot")
+                cluster.write(a, "pending")
+                cluster.write(b, "pending")
+                await peer.wait_for(lambda p: len(p.signals) == 2, within=20, what="a and b")
+                stop.set()  # the upstream restarts; meanwhile the cluster moves on
+                await wait_until(lambda: relay._parts.store.live_job_count() == 2)
+                await trio.sleep(0.5)
+                cluster.write(a, "running")
+                cluster.remove(b)
+                cluster.write(c, "pending")
+                stop = trio.Event()
+                await nursery.start(serve_upstream, emu, tmp_path, stop, f"127.0.0.1:{port}")
+                await peer.wait_for(lambda p: len(p.signals) == 5, within=40, what="the resync")
+                cluster.write(d, "pending")
+                await peer.wait_for(lambda p: len(p.signals) == 6, within=20, what="d")
+                stop.set()
+        nursery.cancel_scope.cancel()
+
+    assert peer.messages[0]["signals"] == [] and peer.messages[0]["JobTotalNum"] == 0
+    got = [(s["jobName"], s["jobStatus"], s["operator"]) for s in peer.signals]
+    assert got[:2] == [("a", "pending", "add"), ("b", "pending", "add")]
+    assert sorted(got[2:5]) == [
+        ("a", "running", "add"),
+        ("b", "pending", "delete"),
+        ("c", "pending", "add"),
+    ]
+    assert got[5] == ("d", "pending", "add")
+    expected = {
+        ("a", "pending"): expected_summary(a, "pending"),
+        ("b", "pending"): expected_summary(b, "pending"),
+        ("a", "running"): expected_summary(a, "running"),
+        ("c", "pending"): expected_summary(c, "pending"),
+        ("d", "pending"): expected_summary(d, "pending"),
+    }
+    for signal in peer.signals:
+        state = expected[(signal["jobName"], signal["jobStatus"])]
+        if signal["operator"] == "delete":  # gone while the upstream was away: the relay's
+            state = state.as_deleted(signal["deleteTime"])
+        # A jobsignal upstream's uuid is derived from the state: the same at both tiers.
+        assert signal["uuid"] == event_id(state), signal
+        assert signal["hcclSha256"] == sha256(state.hccl_json)
     assert_no_goaway(peer)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 
 from jobsignal.app import RunningJobsignal, run_jobsignal
-from jobsignal.config import load_config
+from jobsignal.config import Config, load_config
 from jobsignal.sim.emulator import Drop, ExpireWatch, KubeEmulator
 
 from .cluster import write_kubeconfig
@@ -43,6 +43,16 @@ async def open_kube_server(
         {"listen": "127.0.0.1:0", "source": "kubernetes", "kubeconfig": str(kubeconfig), **flags},
         {},
     )
+    async with open_configured_server(config, ready=ready) as server:
+        yield server
+
+
+@asynccontextmanager
+async def open_configured_server(
+    config: Config, *, ready: bool = False
+) -> AsyncIterator[RunningJobsignal]:
+    """`run_jobsignal(config)` for the block, shut down gracefully after it; with
+    `ready`, returns once its source's first LIST (or snapshot) is applied."""
     raised: BaseException | None = None
     async with trio.open_nursery() as nursery:
         server: RunningJobsignal = await nursery.start(
