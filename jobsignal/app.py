@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import signal
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -39,6 +40,8 @@ if TYPE_CHECKING:  # imported where used: without them a server loads no prometh
     from jobsignal.events import JobEvents
     from jobsignal.metrics import MetricSources
     from jobsignal.metrics_server import HttpStats
+    from jobsignal.rpc.session import Sessions
+    from jobsignal.rpc.subscriptions import PageRequest, SubscriptionPage
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +291,13 @@ def readiness(status: SourceStatus, draining: trio.Event) -> str | None:
     return None
 
 
+def subscriptions_now(sessions: Sessions, request: PageRequest) -> SubscriptionPage:
+    """The page of live subscriptions `request` asks for, as they are now."""
+    from jobsignal.rpc.subscriptions import subscriptions_page
+
+    return subscriptions_page(sessions, request, now=trio.current_time(), wall_now=time.time())
+
+
 def _most_connections(config: Config) -> int:
     """The connections the server may hold at once: gRPC ones, refused ones lingering
     to answer, and the metrics port's."""
@@ -355,6 +365,7 @@ async def run_jobsignal(
                     run_metrics_server,
                     stats=http_stats,
                     readiness=partial(readiness, status, draining),
+                    subscriptions=partial(subscriptions_now, server.sessions),
                 ),
                 host,
                 port,
