@@ -23,6 +23,7 @@ from jobsignal.terminal import emit, run, tell
 from jobsignal.text import clip, columns
 
 PATH = "/debug/subscriptions"
+METRICS_HINT = "--target is the server's --metrics-listen address, not its gRPC one"
 # An answer larger than any page the server writes (500 rows of under 700 bytes).
 MAX_PAGE_BYTES = 4 << 20
 
@@ -47,11 +48,13 @@ async def _page(client: httpx.AsyncClient, url: str, params: dict[str, str]) -> 
                 body += chunk
                 if len(body) > MAX_PAGE_BYTES:
                     raise AskFailed(f"{url}: answer larger than {MAX_PAGE_BYTES} bytes")
+    except httpx.RemoteProtocolError as error:
+        raise AskFailed(f"{url} does not answer HTTP/1.1 ({error}): {METRICS_HINT}") from None
     except httpx.HTTPError as error:
         raise AskFailed(f"cannot ask {url}: {error or type(error).__name__}") from None
     if response.status_code != 200:
         text = clip(body.decode("utf-8", "replace").strip(), 200)
-        hint = " (is it the --metrics-listen address?)" if response.status_code == 404 else ""
+        hint = f" ({METRICS_HINT})" if response.status_code == 404 else ""
         raise AskFailed(f"{url} answered {response.status_code}{hint}: {text}")
     try:
         page = json.loads(body)
