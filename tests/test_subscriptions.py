@@ -11,7 +11,6 @@ import gzip
 import hashlib
 import json
 import re
-from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
@@ -24,39 +23,14 @@ from jobsignal.store.model import JobKey
 from jobsignal.subscriptions_page import HEADERS, cells
 from jobsignal.text import human_bytes
 from tests.support.grpcio import GrpcioClients
-from tests.support.subscriptions import JOB, SubscribedServer, open_subscribed_server
+from tests.support.subscriptions import (
+    JOB,
+    SubscribedServer,
+    open_subscribed_server,
+    table_rows,
+)
 from tests.support.waiting import wait_until
 from tests.test_cli_ux import jobsignal
-
-
-class TableRows(HTMLParser):
-    """The text of every cell of a page's table, row by row (header first)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[list[str]] = []
-        self._cell: list[str] | None = None
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "tr":
-            self.rows.append([])
-        elif tag in ("td", "th"):
-            self._cell = []
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in ("td", "th") and self._cell is not None:
-            self.rows[-1].append("".join(self._cell))
-            self._cell = None
-
-    def handle_data(self, data: str) -> None:
-        if self._cell is not None:
-            self._cell.append(data)
-
-
-def table_rows(document: str) -> list[list[str]]:
-    parser = TableRows()
-    parser.feed(document)
-    return parser.rows
 
 
 async def get(port: int, target: str, **headers: str) -> httpx.Response:

@@ -5,7 +5,7 @@ metrics port) against the Kubernetes API emulator, subscribes grpcio clients
 of three kinds (a Signal stream, a Signal stream of a snapshot role, a List
 stream), writes one job and waits until every stream has it, so each stream
 has a known history: what `/debug/subscriptions`, `jobsignal clients` and the
-page must show.
+page must show. `table_rows` reads the cells of the page's table.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,33 @@ async def open_subscribed_server(
             server.request_shutdown()
             await server.stopped.wait()
             nursery.cancel_scope.cancel()
+
+
+class TableRows(HTMLParser):
+    """The text of every cell of a page's table, row by row (header first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell))
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def table_rows(document: str) -> list[list[str]]:
+    parser = TableRows()
+    parser.feed(document)
+    return parser.rows
