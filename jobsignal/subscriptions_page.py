@@ -103,7 +103,7 @@ th, td { padding: 0.4rem 0.8rem; text-align: left; white-space: nowrap; }
 th { font-size: 0.75rem; letter-spacing: 0.04em; color: #59636e; background: #eef1f4; }
 td { border-bottom: 1px solid #d1d9e0; }
 tbody tr:nth-child(even) { background: #f6f8fa; }
-td.number { text-align: right; font-variant-numeric: tabular-nums; }
+.number { text-align: right; font-variant-numeric: tabular-nums; }
 td.code { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 0.85rem; }
 td.empty { color: #59636e; font-style: italic; }
 nav { margin-top: 1rem; }
@@ -184,7 +184,10 @@ def render_html(page: Mapping[str, Any], *, first_page: bool = True, version: st
         links.append(f'<a href="?limit={limit}">First page</a>')
     if token is not None:
         links.append(f'<a href="?limit={limit}&amp;continue={html.escape(token)}">Next page</a>')
-    header = "".join(f"<th>{name}</th>" for name in HEADERS)
+    header = "".join(
+        f'<th class="number">{name}</th>' if name in _NUMBERS else f"<th>{name}</th>"
+        for name in HEADERS
+    )
     title = f"jobsignal: {total} subscribed"
     made_by = f"jobsignal {html.escape(version)} · " if version else ""
     document = f"""<!doctype html>

@@ -27,7 +27,7 @@ from tests.support.grpcio import GrpcioClients
 from tests.support.png import Image, read_png
 from tests.support.subscriptions import SubscribedServer, open_subscribed_server, table_rows
 
-WIDTH, HEIGHT = 1200, 320
+WIDTH, HEIGHT = 1300, 320
 # The page's colours (subscriptions_page._STYLE).
 HEADER_BAND = (0xEE, 0xF1, 0xF4)
 ROW_RULE = (0xD1, 0xD9, 0xE0)
