@@ -197,7 +197,7 @@ async def test_bash_completion_offers_commands_flags_choices_and_files(tmp_path:
     assert answers.stderr == b""
     lines = [sorted(line.split()) for line in answers.stdout.decode().splitlines()]
     assert lines == [
-        ["check", "completion", "demo", "jobs", "serve", "subscribe"],
+        ["check", "clients", "completion", "demo", "jobs", "serve", "subscribe"],
         ["check"],
         ["--log-format", "--log-level"],
         ["debug", "error", "info", "warning"],
