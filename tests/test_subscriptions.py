@@ -11,13 +11,18 @@ import gzip
 import hashlib
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import httpx
 import trio
 from prometheus_client import CollectorRegistry
 
-from jobsignal.metrics_server import route
+from jobsignal.app import subscriptions_now
+from jobsignal.fanout import Broadcaster
+from jobsignal.metrics_server import route, run_metrics_server
+from jobsignal.rpc.registry import Registry
+from jobsignal.rpc.session import Sessions, SessionSettings
 from jobsignal.rpc.subscriptions import PageRequest, SubscriptionPage, SubscriptionRow
 from jobsignal.store.model import JobKey
 from jobsignal.subscriptions_page import HEADERS, cells
@@ -128,7 +133,33 @@ async def test_jobsignal_clients_prints_them_following_the_pages(
         assert b"--metrics-listen" in wrong.stderr
 
 
-async def test_no_subscribers_and_no_server(tmp_path: Path) -> None:
+async def test_no_subscribers_pages_that_never_end_and_no_server() -> None:
+    async with trio.open_nursery() as nursery:
+        registry = Registry(
+            roles=["CCAgent"], max_registrations=1, max_subscriptions_per_role=1, ttl=1
+        )
+        sessions = await nursery.start(Sessions(registry, Broadcaster(), SessionSettings()).run)
+
+        def endless(request: PageRequest) -> SubscriptionPage:
+            # A server answering every page with the same row and the same token.
+            return SubscriptionPage(request, [hostile_row()], 9, 1, 1_800_000_000.0)
+
+        ports = [
+            await nursery.start(
+                partial(run_metrics_server, subscriptions=source),
+                "127.0.0.1",
+                0,
+                CollectorRegistry(),
+            )
+            for source in (partial(subscriptions_now, sessions), endless)
+        ]
+        empty = await jobsignal("clients", "--target", f"127.0.0.1:{ports[0]}")
+        assert (empty.returncode, empty.stdout, empty.stderr) == (0, b"", b"No subscriptions.\n")
+        looping = await jobsignal("clients", "--target", f"127.0.0.1:{ports[1]}")
+        assert looping.returncode == 1 and looping.stdout == b""
+        assert b"the pages do not end" in looping.stderr
+        nursery.cancel_scope.cancel()
+
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
