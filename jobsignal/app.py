@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import signal
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -44,6 +45,8 @@ if TYPE_CHECKING:  # imported where used: without them a server loads no prometh
     from jobsignal.metrics_server import HttpStats
     from jobsignal.relay.source import Relay  # (and no gRPC client unless it relays)
     from jobsignal.relay.state import RelayedJobs
+    from jobsignal.rpc.session import Sessions
+    from jobsignal.rpc.subscriptions import PageRequest, SubscriptionPage
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +336,13 @@ def _relay_tls(config: Config) -> ssl.SSLContext | None:
     return RelaySettings.from_config(config).ssl_context()
 
 
+def subscriptions_now(sessions: Sessions, request: PageRequest) -> SubscriptionPage:
+    """The page of live subscriptions `request` asks for, as they are now."""
+    from jobsignal.rpc.subscriptions import subscriptions_page
+
+    return subscriptions_page(sessions, request, now=trio.current_time(), wall_now=time.time())
+
+
 def _most_connections(config: Config) -> int:
     """The connections the server may hold at once: gRPC ones, refused ones lingering
     to answer, and the metrics port's."""
@@ -409,6 +419,7 @@ async def run_jobsignal(
                     run_metrics_server,
                     stats=http_stats,
                     readiness=partial(readiness, status, draining),
+                    subscriptions=partial(subscriptions_now, server.sessions),
                 ),
                 host,
                 port,

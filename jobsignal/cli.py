@@ -1,8 +1,10 @@
-"""Command line: `jobsignal serve`, `demo`, `subscribe`, `jobs`, `check` and `completion`.
+"""Command line: `jobsignal serve`, `demo`, `subscribe`, `jobs`, `check`, `clients`
+and `completion`.
 
 Every setting's flag sits in a --help group and names the kind of value it
 takes (the settings table in jobsignal/config.py says which). The client
-commands live in `client_cli.py`, imported only when one runs, and shtab
+commands live in `client_cli.py` (`clients`: `clients_cli.py`), imported
+only when one runs, and shtab
 only for `completion`: `serve` loads neither. Output written to a reader that
 has gone (`jobsignal subscribe --json | head -1`) ends the command quietly
 with status 141, as SIGPIPE ends other Unix tools; the process keeps
@@ -62,6 +64,12 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
+
+
+def _count(text: str) -> int:
+    if not (text.isascii() and text.isdigit() and 0 < int(text) < 1_000_000):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1")
+    return int(text)
 
 
 def _seconds_flag(group: argparse._ArgumentGroup, flag: str, default: float, what: str) -> None:
@@ -141,6 +149,29 @@ def build_parser() -> argparse.ArgumentParser:
     _seconds_flag(group, "--timeout", 5.0, "give up after this long")
     add_arguments(check, SUBSCRIBE_SETTINGS)
 
+    clients = commands.add_parser(
+        "clients",
+        help="print every live subscription, from the metrics port, as a table",
+        description="Ask a server's metrics port (its --metrics-listen address) for its"
+        " live subscription streams, page by page, and print them like `kubectl get`:"
+        " client id (a short hash), role, RPC, peer, time connected, messages sent,"
+        " bytes queued, the last message's job and how long ago it went. Exit status 1"
+        " when the server cannot be asked, 2 on bad usage.",
+    )
+    group = clients.add_argument_group("query")
+    group.add_argument(
+        "--target", required=True, metavar="HOST:PORT", help="the server's metrics address"
+    )
+    group.add_argument("--no-headers", action="store_true", help="no header line")
+    group.add_argument(
+        "--chunk-size",
+        type=_count,
+        default=500,
+        metavar="N",
+        help="subscriptions asked per page (default 500, the server's most)",
+    )
+    _seconds_flag(group, "--timeout", 30.0, "give up after this long")
+
     completion = commands.add_parser(
         "completion",
         help="print a shell completion script",
@@ -198,6 +229,10 @@ def _command(args: argparse.Namespace) -> int:
             raise
     elif args.command == "completion":
         emit(completion_script(args.shell).rstrip("\n"))
+    elif args.command == "clients":
+        from jobsignal.clients_cli import run_clients_command  # (a server never loads it)
+
+        return run_clients_command(args)
     else:
         from jobsignal.client_cli import run_client_command  # (a server never loads it)
 

@@ -38,6 +38,7 @@ from jobsignal.config import (
 )
 from jobsignal.logs import configure_logging
 from jobsignal.terminal import emit, run, tell
+from jobsignal.text import cell, columns, human_age
 
 T = TypeVar("T")
 
@@ -96,11 +97,6 @@ async def print_signals(options: SubscribeOptions, as_json: bool) -> None:
 # -- jobsignal jobs ---------------------------------------------------------------------
 
 
-def _cell(text: str) -> str:
-    """A table cell from server data: no blanks or control characters to break columns."""
-    return "".join(c if c.isprintable() and not c.isspace() else "?" for c in text) or "<none>"
-
-
 def npu_count(hccl_json: str) -> str:
     """The NPUs in a rank table (its servers' devices); <unknown> when the server sent
     none (a job too large for one List batch goes without it) or it does not parse."""
@@ -110,31 +106,6 @@ def npu_count(hccl_json: str) -> str:
         return str(sum(len(server.get("device", [])) for server in servers))
     except (ValueError, TypeError, AttributeError, RecursionError):
         return "<unknown>"
-
-
-# kubectl's steps (its HumanDuration): an age below `bound` seconds is shown in
-# `unit`, followed by the remainder in `then` unless that is zero or `then` is "".
-_AGE_STEPS = (
-    (2 * 60, "s", ""),
-    (10 * 60, "m", "s"),
-    (3 * 3600, "m", ""),
-    (8 * 3600, "h", "m"),
-    (48 * 3600, "h", ""),
-    (8 * 86400, "d", "h"),
-    (2 * 365 * 86400, "d", ""),
-    (8 * 365 * 86400, "y", "d"),
-)
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "y": 365 * 86400}
-
-
-def human_age(seconds: float) -> str:
-    """An age the way kubectl prints one: 45s, 7m3s, 2h10m, 3d4h, 400d, 3y12d."""
-    s = max(0, int(seconds))
-    unit, then = next(((unit, then) for bound, unit, then in _AGE_STEPS if s < bound), ("y", ""))
-    size = _UNIT_SECONDS[unit]
-    text = f"{s // size}{unit}"
-    rest = (s % size) // _UNIT_SECONDS[then] if then else 0
-    return f"{text}{rest}{then}" if rest else text
 
 
 def job_age(started: str, now: float) -> str:
@@ -154,18 +125,14 @@ def jobs_table(jobs: Sequence[JobSummarySignal], now: float, headers: bool = Tru
     """Columns as `kubectl get -A` prints them: NAMESPACE NAME STATUS NPUS AGE."""
     rows = [["NAMESPACE", "NAME", "STATUS", "NPUS", "AGE"]] if headers else []
     for job in sorted(jobs, key=lambda j: (j.namespace, j.job_name, j.job_id)):
-        status = _cell(job.job_status)
+        status = cell(job.job_status)
         if job.operator == "delete":
             status += "(deleted)"
         age = job_age(job.time, now)
         rows.append(
-            [_cell(job.namespace), _cell(job.job_name), status, npu_count(job.hccl_json), age]
+            [cell(job.namespace), cell(job.job_name), status, npu_count(job.hccl_json), age]
         )
-    widths = [max(len(row[column]) for row in rows) for column in range(5)]
-    return "\n".join(
-        "   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
+    return columns(rows)
 
 
 async def _answer_within(

@@ -247,7 +247,8 @@ class Config:
     metrics_listen: tuple[str, int] | None = setting(
         "",
         _optional_listen,
-        "plain-HTTP HOST:PORT serving /metrics, /readyz, /livez and /healthz (empty: off)",
+        "plain-HTTP HOST:PORT serving /metrics, /readyz, /livez, /healthz, and who is"
+        " subscribed: / (a page) and /debug/subscriptions (JSON) (empty: off)",
         group="metrics",
     )
     source: str = setting(

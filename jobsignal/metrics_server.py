@@ -1,4 +1,5 @@
-"""The metrics HTTP endpoint: GET or HEAD /metrics, /healthz, /livez and /readyz.
+"""The metrics HTTP endpoint: GET or HEAD /metrics, /healthz, /livez and /readyz,
+and who is subscribed: /debug/subscriptions (JSON) and / (its HTML page).
 
 HTTP/1.1 over trio with h11; one short request per connection is all a
 scraper needs, so connections are closed after each response and each one is
@@ -24,6 +25,12 @@ gRPC port does (trio's own accept loop logged a traceback at ERROR every
 in the format the scraper's `Accept` header asks for (OpenMetrics or the
 Prometheus text format) and gzip-compressed when its `Accept-Encoding`
 allows, as prometheus_client's own handlers do.
+
+`/debug/subscriptions` and `/` list the live subscription streams a page at
+a time (`?limit=N&continue=TOKEN`, at most `rpc.subscriptions.MAX_LIMIT`
+rows), read when asked from the server's sessions (`rpc.subscriptions`) and
+rendered by `subscriptions_page`; gzip-compressed when allowed. An operator's
+view, on the operator's port: never on the gRPC port.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gzip
+import json
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -46,7 +54,10 @@ from jobsignal.config import cannot_listen
 from jobsignal.file_limit import ACCEPT_CAPACITY_ERRNOS, WHY_ACCEPT_FAILED
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc.limits import ConnectionCounter
+from jobsignal.rpc.subscriptions import BadPageRequest, PageRequest, SubscriptionPage
+from jobsignal.subscriptions_page import HTML_HEADERS, render_html
 from jobsignal.text import quote
+from jobsignal.version import __version__
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)
@@ -70,6 +81,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOWED_METHODS = "GET, HEAD"
 # /metrics depends on these request headers (for caches between us and the scraper).
 METRICS_VARY = "Accept, Accept-Encoding"
+JSON_CONTENT_TYPE = "application/json"
+HTML_CONTENT_TYPE = "text/html; charset=utf-8"
 # After a failed accept(), as the gRPC port (asyncio's ACCEPT_RETRY_DELAY).
 ACCEPT_PAUSE = 1.0
 
@@ -108,6 +121,8 @@ class Reply:
 
 
 Readiness = Callable[[], str | None]
+# One page of the live subscriptions (`rpc.subscriptions.subscriptions_page`).
+Subscriptions = Callable[[PageRequest], SubscriptionPage]
 
 
 def _always_ready() -> str | None:
@@ -131,15 +146,37 @@ def gzip_accepted(accept_encoding: str) -> bool:
     return False
 
 
+def _gzipped_if_accepted(reply: Reply, accept_encoding: str) -> Reply:
+    if not gzip_accepted(accept_encoding):
+        return reply
+    headers = (*reply.headers, ("content-encoding", "gzip"))
+    return Reply(reply.status, gzip.compress(reply.body), headers, reply.content_type)
+
+
 def exposition(metrics: Collector, accept: str = "", accept_encoding: str = "") -> Reply:
     """`metrics` rendered in the format `accept` asks for, gzipped if allowed."""
     encoder, content_type = choose_encoder(accept)
-    body = encoder(metrics)
-    headers: tuple[tuple[str, str], ...] = (("vary", METRICS_VARY),)
-    if gzip_accepted(accept_encoding):
-        body = gzip.compress(body)
-        headers += (("content-encoding", "gzip"),)
-    return Reply(200, body, headers, content_type)
+    reply = Reply(200, encoder(metrics), (("vary", METRICS_VARY),), content_type)
+    return _gzipped_if_accepted(reply, accept_encoding)
+
+
+def subscriptions_reply(
+    subscriptions: Subscriptions, query: str, *, as_html: bool, accept_encoding: str = ""
+) -> Reply:
+    """The page of live subscriptions `query` asks for, as JSON or as the HTML page."""
+    try:
+        request = PageRequest.parse(query)
+    except BadPageRequest as error:
+        return Reply(400, f"{error}\n".encode())
+    page = subscriptions(request).as_json()
+    if as_html:
+        body = render_html(page, first_page=request.after == 0, version=__version__)
+        reply = Reply(200, body, (*HTML_HEADERS, ("vary", "Accept-Encoding")), HTML_CONTENT_TYPE)
+    else:
+        body = json.dumps(page, indent=1).encode() + b"\n"  # ASCII: escapes all else
+        headers = (("cache-control", "no-store"), ("vary", "Accept-Encoding"))
+        reply = Reply(200, body, headers, JSON_CONTENT_TYPE)
+    return _gzipped_if_accepted(reply, accept_encoding)
 
 
 def route(
@@ -150,11 +187,20 @@ def route(
     *,
     accept: str = "",
     accept_encoding: str = "",
+    subscriptions: Subscriptions | None = None,
 ) -> Reply:
-    """The reply to one request (for HEAD, the body is computed and not sent)."""
+    """The reply to one request (for HEAD, the body is computed and not sent).
+    Without `subscriptions`, `/` and `/debug/subscriptions` are not found."""
     if method not in (b"GET", b"HEAD"):
         return Reply(405, b"only GET and HEAD\n", (("allow", ALLOWED_METHODS),))
-    path = target.split(b"?")[0]
+    path, _, query = target.partition(b"?")
+    if subscriptions is not None and path in (b"/", b"/debug/subscriptions"):
+        return subscriptions_reply(
+            subscriptions,
+            query.decode("ascii", "replace"),  # (h11 lets only ASCII into a target)
+            as_html=path == b"/",
+            accept_encoding=accept_encoding,
+        )
     if path == b"/metrics":
         return exposition(metrics, accept, accept_encoding)
     if path in (b"/healthz", b"/livez"):
@@ -165,6 +211,8 @@ def route(
         if reason is None:
             return Reply(200, b"ok\n")
         return Reply(503, f"not ready: {reason}\n".encode())
+    if subscriptions is not None:
+        return Reply(404, b"try /metrics, /readyz, /livez, /debug/subscriptions or /\n")
     return Reply(404, b"try /metrics, /readyz or /livez\n")
 
 
@@ -223,7 +271,9 @@ class _Connection:
             else:  # nothing else can come before a request; h11 would have raised
                 raise AssertionError(f"unexpected HTTP event before a request: {event!r}")
 
-    async def exchange(self, metrics: Collector, readiness: Readiness) -> None:
+    async def exchange(
+        self, metrics: Collector, readiness: Readiness, subscriptions: Subscriptions | None
+    ) -> None:
         with trio.move_on_after(CONNECTION_TIMEOUT) as deadline:
             try:
                 request = await self.read_request()
@@ -243,6 +293,7 @@ class _Connection:
                 readiness,
                 accept=_header(request, b"accept"),
                 accept_encoding=_header(request, b"accept-encoding"),
+                subscriptions=subscriptions,
             )
             await self.send(reply, with_body=request.method != b"HEAD")
         if deadline.cancelled_caught:
@@ -302,12 +353,13 @@ async def serve_connection(
     stats: HttpStats,
     readiness: Readiness = _always_ready,
     peer: Peer | None = None,
+    subscriptions: Subscriptions | None = None,
 ) -> None:
     """Answer one request on `stream` from `peer` (read from the socket if not
     given); raises nothing but cancellation."""
     connection = _Connection(stream, stats, peer or Peer.of(stream))
     try:
-        await connection.exchange(metrics, readiness)
+        await connection.exchange(metrics, readiness, subscriptions)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the client went away: nothing to answer, nothing wrong with us
     except Exception:
@@ -330,11 +382,13 @@ async def run_metrics_server(
     *,
     stats: HttpStats | None = None,
     readiness: Readiness = _always_ready,
+    subscriptions: Subscriptions | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `metrics` (a registry) until cancelled; reports the bound port once listening.
 
-    `/readyz` answers 503 with the reason while `readiness()` gives one.
+    `/readyz` answers 503 with the reason while `readiness()` gives one;
+    `/debug/subscriptions` and `/` list the pages `subscriptions` gives, if any.
     """
     stats = HttpStats() if stats is None else stats
     try:
@@ -357,7 +411,7 @@ async def run_metrics_server(
             return
         connections.opened(address)
         try:
-            await serve_connection(stream, metrics, stats, readiness, peer)
+            await serve_connection(stream, metrics, stats, readiness, peer, subscriptions)
         finally:
             connections.closed(address)
 

@@ -23,11 +23,12 @@ import trio
 import trustme
 
 from jobsignal.cli import EXIT_STDOUT_CLOSED, main
-from jobsignal.client_cli import human_age, job_age, jobs_table, npu_count
+from jobsignal.client_cli import job_age, jobs_table, npu_count
 from jobsignal.config import SERVE_SETTINGS, SUBSCRIBE_SETTINGS
 from jobsignal.fanout import Broadcaster
 from jobsignal.rpc.tls import TlsFiles
 from jobsignal.store.model import JobSummary
+from jobsignal.text import human_age
 from tests.support.factories import make_job, rank_table
 from tests.support.grpc_server import local_settings, open_jobsignal_server
 from tests.support.tls import write_pair
@@ -200,7 +201,7 @@ async def test_bash_completion_offers_commands_flags_choices_and_files(tmp_path:
     assert answers.stderr == b""
     lines = [sorted(line.split()) for line in answers.stdout.decode().splitlines()]
     assert lines == [
-        ["check", "completion", "demo", "jobs", "serve", "subscribe"],
+        ["check", "clients", "completion", "demo", "jobs", "serve", "subscribe"],
         ["check"],
         ["--log-format", "--log-level"],
         ["debug", "error", "info", "warning"],

@@ -101,6 +101,7 @@ class BoundedQueue(Generic[P]):
         "_waiter",
         "coalesced",
         "end_reason",
+        "last_taken",
     )
 
     def __init__(self, *, max_pending: int, max_pending_bytes: int, stats: FanoutStats) -> None:
@@ -135,6 +136,9 @@ class BoundedQueue(Generic[P]):
         self._cancel_scope: trio.CancelScope | None = None
         self.end_reason: EndReason | None = None
         self.coalesced = 0
+        # The job key of the last entry `take` returned (UNIQUE: a snapshot batch),
+        # for the operator's view of what a stream last sent (rpc.subscriptions).
+        self.last_taken: Hashable = UNIQUE
 
     @property
     def pending(self) -> int:
@@ -279,6 +283,8 @@ class BoundedQueue(Generic[P]):
         each live one; nothing if the queue is empty. For a consumer that waits
         by other means (`on_wake`), once its snapshot is composed."""
         entries = self._pending.take(max_frames)
+        if entries:
+            self.last_taken = entries[-1][0]
         frames = [frame for _, frame, _ in entries]
         seen = [seen_at for _, _, seen_at in entries if seen_at is not None]
         self._pending_bytes -= sum(len(frame) for frame in frames)

@@ -97,6 +97,8 @@ class RunningServer:
     rate_limited: Callable[[], dict[str, int]]
     # What the asyncio loop's exception handler caught: failed accepts, the unforeseen.
     loop_faults: LoopFaults
+    # The live subscription streams (read by the operator's view, rpc/subscriptions.py).
+    sessions: Sessions
 
 
 # Server keepalive is jobsignal's own, on trio's clock (rpc/keepalive.py): grpclib's
@@ -201,9 +203,10 @@ async def run_grpc_server(
             readers.install()
             await nursery.start(readers.run)
         await nursery.start(broadcaster.pacer.run)
-        service.serve_sessions_with(
-            await nursery.start(Sessions(registry, broadcaster, settings.session).run)
+        sessions: Sessions = await nursery.start(
+            Sessions(registry, broadcaster, settings.session).run
         )
+        service.serve_sessions_with(sessions)
         server = JobsignalServer(
             services,
             codec=PassthroughCodec(settings.max_request_bytes),
@@ -244,6 +247,7 @@ async def run_grpc_server(
             service.handler_errors,
             service.rate_limited,
             loop_faults,
+            sessions,
         )
         task_status.started(running)
         try:

@@ -28,7 +28,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -36,8 +36,7 @@ from grpclib.const import Status
 
 from jobsignal.config import LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason, StreamKind
-from jobsignal.fanout.stats import FanoutStats
-from jobsignal.fanout.subscriber import QueueEntry
+from jobsignal.fanout.subscriber import UNIQUE, QueueEntry
 from jobsignal.rpc.activity import ConnectionActivity
 from jobsignal.rpc.registry import Claim, Refused, Registry
 from jobsignal.text import clip
@@ -141,18 +140,6 @@ class IdleDeadline:
         return self.last + self.timeout
 
 
-def _record_delivery(
-    stats: FanoutStats, idle: IdleDeadline, count: int, seen: Sequence[float]
-) -> None:
-    """`count` messages went out now: activity for the idle rule, the delivery
-    counted, and the latency of those the source saw (`seen`), at one clock read."""
-    now = trio.current_time()
-    idle.touch(now)
-    stats.messages_delivered += count
-    for seen_at in seen:
-        stats.delivery_latency.observe(now - seen_at)
-
-
 @dataclass(frozen=True, slots=True)
 class StreamRequest:
     """Who subscribes, to what, and through which connection and writer."""
@@ -195,11 +182,22 @@ class Sessions:
         self._nursery: trio.Nursery | None = None
         self._deadlines: list[_IdleEntry] = []  # a heap
         self._order = itertools.count()
-        self._live: set[Session] = set()
+        # By serial: in the order they opened, what `live_after` pages through.
+        self._live: dict[int, Session] = {}
+        self._serials = itertools.count(1)
         self._wake_timer: trio.CancelScope | None = None
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def live_after(self, serial: int) -> Iterator[Session]:
+        """The live sessions opened after the one numbered `serial`, oldest first
+        (`rpc.subscriptions`). Read-only; consume it before the next checkpoint."""
+        if serial <= 0:
+            return iter(self._live.values())
+        # Serials only grow, so the dict is in serial order: skip to the first one
+        # after `serial` without building anything.
+        return (session for key, session in self._live.items() if key > serial)
 
     async def run(
         self, *, task_status: trio.TaskStatus[Sessions] = trio.TASK_STATUS_IGNORED
@@ -212,7 +210,7 @@ class Sessions:
                 await self._watch_deadlines()
         finally:
             self._nursery = None
-            for session in list(self._live):
+            for session in list(self._live.values()):
                 session.subscriber.end(EndReason.SHUTDOWN)
                 session.finish()
 
@@ -251,8 +249,8 @@ class Sessions:
             for other in self.broadcaster.subscribers:
                 if other.client_id == request.client_id:
                     other.end(EndReason.REPLACED)
-        session = Session(self, request, claim, done)
-        self._live.add(session)
+        session = Session(self, request, claim, done, next(self._serials))
+        self._live[session.serial] = session
         self._watch(session)
         session.start()
         return session
@@ -264,7 +262,7 @@ class Sessions:
                 self._nursery.start_soon(session.drain)
 
     def _forget(self, session: Session) -> None:
-        self._live.discard(session)
+        self._live.pop(session.serial, None)
         entry = session.deadline_entry
         if entry is not None:
             entry.session = None
@@ -304,7 +302,12 @@ class Sessions:
 
 class Session:
     """One subscription stream: its queue, its idle clock, and a task only while
-    it has something to write."""
+    it has something to write.
+
+    What it has sent (`messages_sent`, `last_key`, `last_sent_at`) and when it
+    opened (`opened_at`, trio time) are kept for the operator's view of who is
+    subscribed (`rpc.subscriptions`), nothing else reads them.
+    """
 
     __slots__ = (
         "_done",
@@ -313,13 +316,18 @@ class Session:
         "deadline_entry",
         "finished",
         "idle",
+        "last_key",
+        "last_sent_at",
+        "messages_sent",
+        "opened_at",
         "request",
+        "serial",
         "sessions",
         "subscriber",
     )
 
     def __init__(
-        self, sessions: Sessions, request: StreamRequest, claim: Claim, done: Done
+        self, sessions: Sessions, request: StreamRequest, claim: Claim, done: Done, serial: int
     ) -> None:
         self.sessions = sessions
         self.request = request
@@ -328,6 +336,12 @@ class Session:
         self._running = False
         self.finished = False
         self.deadline_entry: _IdleEntry | None = None
+        self.serial = serial
+        self.opened_at = trio.current_time()
+        self.messages_sent = 0
+        # The job of the last message sent (UNIQUE: a List snapshot batch), and when.
+        self.last_key: Hashable = UNIQUE
+        self.last_sent_at: float | None = None
         settings = sessions.settings
         self.subscriber = sessions.broadcaster.subscribe(
             request.kind,
@@ -382,11 +396,24 @@ class Session:
         send_now = self.request.send_now
         if send_now is None or not send_now(entry[1]):
             return False
-        stats = self.sessions.broadcaster.stats
-        stats.batches_written_from_publish += 1
+        self.sessions.broadcaster.stats.batches_written_from_publish += 1
         seen_at = entry[2]
-        _record_delivery(stats, self.idle, 1, () if seen_at is None else (seen_at,))
+        self._delivered(1, entry[0], () if seen_at is None else (seen_at,))
         return True
+
+    def _delivered(self, count: int, last_key: Hashable, seen: Sequence[float]) -> None:
+        """`count` messages went out now, the last about `last_key`: activity for the
+        idle rule, the delivery counted, and the latency of those the source saw
+        (`seen`), at one clock read."""
+        now = trio.current_time()
+        self.idle.touch(now)
+        self.messages_sent += count
+        self.last_key = last_key
+        self.last_sent_at = now
+        stats = self.sessions.broadcaster.stats
+        stats.messages_delivered += count
+        for seen_at in seen:
+            stats.delivery_latency.observe(now - seen_at)
 
     async def drain(self) -> None:
         """The session's task: write what is queued, then return, parked, or clean
@@ -412,7 +439,7 @@ class Session:
                         stats.batches_written_at_once += 1
                     else:
                         stats.batches_written_waiting += 1
-                    _record_delivery(stats, self.idle, len(frames), seen)
+                    self._delivered(len(frames), subscriber.last_taken, seen)
             subscriber.attach(None)
         except Exception as error:  # freed now; the handler answers INTERNAL and logs it
             self.finish(error)
