@@ -354,65 +354,66 @@ _RULE = {
 }
 
 
-MONITOR_SCHEMAS: dict[str, Obj] = {
-    "PrometheusRule": {
+def _monitoring_kind(kind: str, spec: Obj) -> Obj:
+    """A strict schema of a monitoring.coreos.com/v1 object of `kind` with this `spec`."""
+    return {
         "type": "object",
         "additionalProperties": False,
         "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
             "apiVersion": {"const": f"{MONITORING_GROUP}/v1"},
-            "kind": {"const": "PrometheusRule"},
+            "kind": {"const": kind},
             "metadata": _METADATA,
-            "spec": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["groups"],
-                "properties": {
-                    "groups": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "additionalProperties": False,
-                            "required": ["name", "rules"],
-                            "properties": {
-                                "name": {"type": "string", "minLength": 1},
-                                "interval": _DURATION,
-                                "rules": {"type": "array", "minItems": 1, "items": _RULE},
-                            },
+            "spec": spec,
+        },
+    }
+
+
+MONITOR_SCHEMAS: dict[str, Obj] = {
+    "PrometheusRule": _monitoring_kind(
+        "PrometheusRule",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": _DURATION,
+                            "rules": {"type": "array", "minItems": 1, "items": _RULE},
                         },
                     },
                 },
             },
         },
-    },
-    "ServiceMonitor": {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": f"{MONITORING_GROUP}/v1"},
-            "kind": {"const": "ServiceMonitor"},
-            "metadata": _METADATA,
-            "spec": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["selector", "endpoints"],
-                "properties": {
-                    "selector": _LABEL_SELECTOR,
-                    "endpoints": {"type": "array", "minItems": 1, "items": _SCRAPE_ENDPOINT},
-                    "namespaceSelector": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {"any": {"type": "boolean"}, "matchNames": _STRINGS},
-                    },
-                    "jobLabel": {"type": "string"},
-                    "targetLabels": _STRINGS,
-                    "podTargetLabels": _STRINGS,
+    ),
+    "ServiceMonitor": _monitoring_kind(
+        "ServiceMonitor",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": _LABEL_SELECTOR,
+                "endpoints": {"type": "array", "minItems": 1, "items": _SCRAPE_ENDPOINT},
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"any": {"type": "boolean"}, "matchNames": _STRINGS},
                 },
+                "jobLabel": {"type": "string"},
+                "targetLabels": _STRINGS,
+                "podTargetLabels": _STRINGS,
             },
         },
-    },
+    ),
 }
 
 
