@@ -34,14 +34,13 @@ from typing import TYPE_CHECKING
 
 # First, so that betterproto2 (imported by the generated code) skips importlib.metadata.
 import jobsignal.betterproto_version  # noqa: F401
-from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
-from jobsignal.app import RunningJobsignal
-from jobsignal.app import run_jobsignal as serve
 from jobsignal.config import Config, ConfigError, configure
-from jobsignal.rpc import _grpclib
 from jobsignal.version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
+    from jobsignal.app import RunningJobsignal
+    from jobsignal.app import run_jobsignal as serve
     from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription, subscribe
     from jobsignal.embed import watch_jobs
     from jobsignal.events import (
@@ -55,12 +54,15 @@ if TYPE_CHECKING:
         RankTable,
     )
 
-# Before any grpclib handler or call runs on trio-asyncio (Python 3.12+).
-_grpclib.install()
-
-# Imported on first use, so that `jobsignal serve` loads none of them: the
-# client (with grpclib's) and the in-process events API (about 0.1 MB at idle).
+# Imported on first use, so that `jobsignal serve` loads none of the client (with
+# grpclib's) and the in-process events API (about 0.1 MB at idle), and the command
+# line's --help and `check` load no server. Importing jobsignal.rpc (the server, the
+# client) installs the grpclib adapter (jobsignal/rpc/_grpclib.py).
 _LAZY_NAMES = {
+    "serve": "app",
+    "RunningJobsignal": "app",
+    "JobSummarySignal": "_proto.job",
+    "JobSummarySignalList": "_proto.job",
     "SubscribeFailed": "client",
     "SubscribeOptions": "client",
     "open_subscription": "client",
@@ -80,6 +82,8 @@ _LAZY_NAMES = {
         "events",
     ),
 }
+# Public names that stand for another name in their module.
+_ALIASES = {"serve": "run_jobsignal"}
 
 
 def __getattr__(name: str) -> object:
@@ -87,7 +91,7 @@ def __getattr__(name: str) -> object:
     if module_name is None:
         raise AttributeError(f"module 'jobsignal' has no attribute {name!r}")
     module = importlib.import_module(f"jobsignal.{module_name}")
-    value = getattr(module, name)
+    value = getattr(module, _ALIASES.get(name, name))
     globals()[name] = value  # found directly from now on
     return value
 

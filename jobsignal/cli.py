@@ -11,36 +11,51 @@ with status 141, as SIGPIPE ends other Unix tools; the process keeps
 ignoring SIGPIPE itself, so a peer closing a socket never kills the server.
 `serve` raises the soft limit of open files to the hard limit first
 (`file_limit.py`).
+
+Building the parser imports nothing beyond the settings: the server and trio
+are imported by the command that runs them, so `--help` and an exec probe's
+`check` do not pay for them (`python -X importtime`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
 
-import trio
-
-from jobsignal import __version__
-from jobsignal.app import run_jobsignal
 from jobsignal.config import (
     SERVE_SETTINGS,
     SUBSCRIBE_SETTINGS,
+    TARGET_SETTING,
     ConfigError,
     add_arguments,
     load_config,
 )
-from jobsignal.file_limit import raise_open_file_limit
-from jobsignal.logs import configure_logging
 from jobsignal.terminal import StdoutClosed, emit, lone_exception
+from jobsignal.version import __version__
 
 EXIT_USAGE = 2
 # What a shell reports for a command that SIGPIPE ended.
 EXIT_STDOUT_CLOSED = 128 + signal.SIGPIPE
 SHELLS = ("bash", "zsh", "tcsh")
+# `jobs -o`: the table's extra columns, or every field of every job as JSON.
+OUTPUT_FORMATS = ("wide", "json")
+# `demo` serves plain text to whoever can connect: this host only, unless told otherwise.
+DEMO_SETTINGS = tuple(
+    dataclasses.replace(
+        s,
+        default="127.0.0.1:8899",
+        help=s.help + "; the demo listens on this host only unless told otherwise",
+    )
+    if s.name == "listen"
+    else s
+    for s in SERVE_SETTINGS
+    if s.name in ("listen", "log_level")
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +65,13 @@ log = logging.getLogger(__name__)
 
 def _target_flags(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
     group = parser.add_argument_group(title)
+    # Not required here: JOBSIGNAL_TARGET may give it (client_cli.subscribe_options).
     group.add_argument(
-        "--target", required=True, metavar="HOST:PORT", help="the jobsignal server to ask"
+        TARGET_SETTING.flag,
+        dest=TARGET_SETTING.name,
+        default=None,
+        metavar=TARGET_SETTING.value_name,
+        help=f"{TARGET_SETTING.help} [env {TARGET_SETTING.env}; one of the two is required]",
     )
     return group
 
@@ -100,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="serve the embedded demo cluster and print what a subscriber receives"
     )
-    add_arguments(demo, [s for s in SERVE_SETTINGS if s.name in ("listen", "log_level")])
+    add_arguments(demo, DEMO_SETTINGS)
 
     sub = commands.add_parser("subscribe", help="register, subscribe and print job signals")
     group = _target_flags(sub, "subscription")
@@ -128,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--namespace", default="", metavar="NAME", help="only the jobs of this namespace"
     )
     group.add_argument("--no-headers", action="store_true", help="no header line")
+    group.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUT_FORMATS,
+        default=None,
+        help="wide: more columns (FRAMEWORK SERVERS CONFIGMAPS MASTER JOB-ID); json: every"
+        " field of every job, as `subscribe --json` names them, in one array",
+    )
     _seconds_flag(group, "--timeout", 30.0, "give up after this long")
     add_arguments(jobs, SUBSCRIBE_SETTINGS)
 
@@ -214,6 +242,12 @@ def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "serve":
+        import trio
+
+        from jobsignal.app import run_jobsignal
+        from jobsignal.file_limit import raise_open_file_limit
+        from jobsignal.logs import configure_logging
+
         config = load_config(vars(args), os.environ)
         configure_logging(config.log_level, config.log_format)
         raised = raise_open_file_limit()

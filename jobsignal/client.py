@@ -33,6 +33,7 @@ from grpclib.config import Configuration
 from grpclib.const import Status as GrpcStatus
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
+import jobsignal.rpc  # noqa: F401  (installs the grpclib adapter before any call)
 from jobsignal._proto.grpc.health.v1 import HealthCheckRequest, HealthStub
 from jobsignal._proto.job import ClientInfo, JobStub, JobSummarySignal, JobSummarySignalList
 from jobsignal.backoff import Backoff

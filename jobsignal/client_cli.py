@@ -1,7 +1,8 @@
 """The command line's client commands: `demo`, `subscribe`, `jobs` and `check`.
 
 Imported by `jobsignal.cli` only when one of them runs, so `jobsignal serve`
-loads no gRPC client (docs/architecture.md section 1, "Data flow").
+loads no gRPC client (docs/architecture.md section 1, "Data flow"); and the server
+only for `demo`, so `check` (an exec probe) and `jobs` load no server.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TypeVar
 import trio
 
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
-from jobsignal.app import run_jobsignal
 from jobsignal.client import (
     CallFailed,
     Signal,
@@ -29,12 +29,13 @@ from jobsignal.client import (
     open_subscription,
 )
 from jobsignal.config import (
-    SERVE_SETTINGS,
     SUBSCRIBE_SETTINGS,
+    TARGET_SETTING,
+    Config,
     ConfigError,
     load_config,
-    parse_listen,
     resolve,
+    show_address,
 )
 from jobsignal.logs import configure_logging
 from jobsignal.terminal import emit, run, tell
@@ -97,15 +98,22 @@ async def print_signals(options: SubscribeOptions, as_json: bool) -> None:
 # -- jobsignal jobs ---------------------------------------------------------------------
 
 
-def npu_count(hccl_json: str) -> str:
-    """The NPUs in a rank table (its servers' devices); <unknown> when the server sent
-    none (a job too large for one List batch goes without it) or it does not parse."""
+def rank_table_size(hccl_json: str) -> tuple[str, str]:
+    """(servers, NPUs) of a rank table (its servers, their devices); <unknown> when the
+    server sent none (a job too large for one List batch goes without it) or it does
+    not parse."""
     try:
         table = json.loads(hccl_json)
         servers = table.get("server_list", [])
-        return str(sum(len(server.get("device", [])) for server in servers))
+        npus = sum(len(server.get("device", [])) for server in servers)
+        return str(len(servers)), str(npus)
     except (ValueError, TypeError, AttributeError, RecursionError):
-        return "<unknown>"
+        return "<unknown>", "<unknown>"
+
+
+def npu_count(hccl_json: str) -> str:
+    """The NPUs in a rank table (its servers' devices), as `rank_table_size` finds them."""
+    return rank_table_size(hccl_json)[1]
 
 
 def job_age(started: str, now: float) -> str:
@@ -121,18 +129,37 @@ def job_age(started: str, now: float) -> str:
     return human_age(now - value)
 
 
-def jobs_table(jobs: Sequence[JobSummarySignal], now: float, headers: bool = True) -> str:
-    """Columns as `kubectl get -A` prints them: NAMESPACE NAME STATUS NPUS AGE."""
-    rows = [["NAMESPACE", "NAME", "STATUS", "NPUS", "AGE"]] if headers else []
-    for job in sorted(jobs, key=lambda j: (j.namespace, j.job_name, j.job_id)):
+COLUMNS = ("NAMESPACE", "NAME", "STATUS", "NPUS", "AGE")
+# `-o wide` adds these, as kubectl's wide output adds columns after the usual ones.
+WIDE_COLUMNS = ("FRAMEWORK", "SERVERS", "CONFIGMAPS", "MASTER", "JOB-ID")
+
+
+def _sorted_jobs(jobs: Sequence[JobSummarySignal]) -> list[JobSummarySignal]:
+    return sorted(jobs, key=lambda j: (j.namespace, j.job_name, j.job_id))
+
+
+def jobs_table(
+    jobs: Sequence[JobSummarySignal], now: float, headers: bool = True, wide: bool = False
+) -> str:
+    """Columns as `kubectl get -A` prints them: NAMESPACE NAME STATUS NPUS AGE, and with
+    `wide` FRAMEWORK SERVERS CONFIGMAPS MASTER JOB-ID after them."""
+    rows = [[*COLUMNS, *WIDE_COLUMNS] if wide else list(COLUMNS)] if headers else []
+    for job in _sorted_jobs(jobs):
         status = cell(job.job_status)
         if job.operator == "delete":
             status += "(deleted)"
-        age = job_age(job.time, now)
-        rows.append(
-            [cell(job.namespace), cell(job.job_name), status, npu_count(job.hccl_json), age]
-        )
+        servers, npus = rank_table_size(job.hccl_json)
+        row = [cell(job.namespace), cell(job.job_name), status, npus, job_age(job.time, now)]
+        if wide:
+            row += [cell(job.frame_work), servers, cell(job.total)]
+            row += [cell(job.master_addr), cell(job.job_id)]
+        rows.append(row)
     return columns(rows)
+
+
+def jobs_json(jobs: Sequence[JobSummarySignal]) -> str:
+    """Every field of every job, named as on the wire (as `subscribe --json`), in one array."""
+    return json.dumps([_signal_json(job) for job in _sorted_jobs(jobs)], ensure_ascii=False)
 
 
 async def _answer_within(
@@ -154,11 +181,15 @@ async def print_jobs(options: SubscribeOptions, args: argparse.Namespace) -> int
     )
     if args.namespace:
         jobs = [job for job in jobs if job.namespace == args.namespace]
+    if args.output == "json":
+        # An empty array, not a note: a script reads stdout.
+        emit(jobs_json(jobs))
+        return 0
     if not jobs:
         where = f" in namespace {args.namespace}" if args.namespace else ""
         tell(f"No jobs found{where}.")
         return 0
-    emit(jobs_table(jobs, time.time(), headers=not args.no_headers))
+    emit(jobs_table(jobs, time.time(), headers=not args.no_headers, wide=args.output == "wide"))
     return 0
 
 
@@ -176,27 +207,41 @@ async def print_health(options: SubscribeOptions, args: argparse.Namespace) -> i
 # -- jobsignal demo ---------------------------------------------------------------------
 
 
+def demo_config(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> Config:
+    """`demo`'s settings: the demo cluster, no drain (no load balancer sends clients to
+    a demo: Ctrl-C stops it at once), and its own default address, this host only,
+    after the flag and JOBSIGNAL_LISTEN."""
+    from jobsignal.cli import DEMO_SETTINGS
+
+    defaults = {s.env: s.default for s in DEMO_SETTINGS}
+    return load_config({**flags, "source": "demo", "drain_delay": "0"}, {**defaults, **environ})
+
+
 async def _demo(config_flags: dict[str, str | None], environ: Mapping[str, str]) -> None:
-    # No load balancer sends clients to a demo: Ctrl-C stops it without a drain.
-    config = load_config({**config_flags, "source": "demo", "drain_delay": "0"}, environ)
+    from jobsignal.app import run_jobsignal  # (only here: no other client command serves)
+
+    config = demo_config(config_flags, environ)
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
             lambda task_status: run_jobsignal(config, handle_signals=True, task_status=task_status)
         )
         host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
         options = SubscribeOptions(host, server.port, "CCAgent")
-        emit(f"jobsignal demo: serving on {server.host}:{server.port}; subscriber output:")
+        shown = show_address(server.host, server.port)
+        emit(f"jobsignal demo: serving on {shown}; subscriber output:")
         nursery.start_soon(print_signals, options, False)
         await server.stopped.wait()
         nursery.cancel_scope.cancel()
 
 
 def subscribe_options(args: argparse.Namespace, environ: Mapping[str, str]) -> SubscribeOptions:
-    """A client command's options from its flags and JOBSIGNAL_SUBSCRIBE_* env vars."""
-    try:
-        host, port = parse_listen(args.target)
-    except ValueError as error:
-        raise ConfigError(f"--target={args.target!r}: {error}") from None
+    """A client command's options from its flags, JOBSIGNAL_TARGET and the
+    JOBSIGNAL_SUBSCRIBE_* env vars (a flag beats its env var)."""
+    if args.target is None and TARGET_SETTING.env not in environ:
+        raise ConfigError(
+            f"which server? give {TARGET_SETTING.flag} HOST:PORT or set {TARGET_SETTING.env}"
+        )
+    host, port = resolve([TARGET_SETTING], vars(args), environ)["target"]
     tls = resolve(SUBSCRIBE_SETTINGS, vars(args), environ)
     if not tls["tls_ca"] and any(tls.values()):
         raise ConfigError(
@@ -243,8 +288,10 @@ def run_client_command(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     failed is said on stderr (status 1); a ConfigError is the caller's to report."""
     try:
         if args.command == "demo":
+            from jobsignal.cli import DEMO_SETTINGS
+
             level = resolve(
-                [s for s in SERVE_SETTINGS if s.name == "log_level"], vars(args), environ
+                [s for s in DEMO_SETTINGS if s.name == "log_level"], vars(args), environ
             )
             configure_logging(level["log_level"], "text")
             run(_demo, vars(args), environ)

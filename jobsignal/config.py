@@ -8,7 +8,8 @@ gives both their defaults and `from_config`; the layers keep no default of their
 Precedence: command-line flag, then environment variable, then default. A bad
 value raises `ConfigError` with one line naming the setting, where it came
 from and what is accepted; the CLI prints it and exits with status 2.
-`SUBSCRIBE_SETTINGS` are the TLS settings of `jobsignal subscribe`, read the same way.
+`SUBSCRIBE_SETTINGS` are the TLS settings of `jobsignal subscribe`, read the same way,
+and `TARGET_SETTING` the server the client commands ask (`--target`, `JOBSIGNAL_TARGET`).
 This module imports no other part of jobsignal: every layer may import it.
 """
 
@@ -32,8 +33,7 @@ def cannot_listen(setting: str, host: str, port: int, error: OSError) -> ConfigE
     # not resolve has a negative errno (getaddrinfo's) and a text of its own.
     known = error.errno is not None and error.errno > 0
     reason = os.strerror(error.errno or 0) if known else (error.strerror or str(error))
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return ConfigError(f"{setting} {shown}: cannot listen there: {reason}")
+    return ConfigError(f"{setting} {show_address(host, port)}: cannot listen there: {reason}")
 
 
 def _positive_float(text: str, unit: str = "of seconds") -> float:
@@ -111,6 +111,11 @@ def parse_listen(text: str, *, any_host: bool = False) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ValueError("port must be between 0 and 65535")
     return host, port
+
+
+def show_address(host: str, port: int) -> str:
+    """HOST:PORT as `parse_listen` reads it back: [::]:8899 for an IPv6 host, :8899 for ""."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def parse_listen_list(text: str) -> tuple[tuple[str, int], ...]:
@@ -570,6 +575,13 @@ SUBSCRIBE_SETTINGS: tuple[Setting, ...] = (
         metavar="NAME",
         group="TLS",
     ),
+)
+
+
+# The server a client command (subscribe, jobs, check) asks; no default: one of the
+# two must be given.
+TARGET_SETTING = Setting(
+    "target", "", parse_listen, "the jobsignal server to ask", metavar="HOST:PORT"
 )
 
 

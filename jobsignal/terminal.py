@@ -12,8 +12,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import trio
-
 
 class StdoutClosed(Exception):
     """Whoever read our standard output has gone (`jobsignal ... | head -1`)."""
@@ -45,6 +43,8 @@ def lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | 
 
 def run(function: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """trio.run, handing back a lone StdoutClosed that nurseries wrapped in groups."""
+    import trio  # (here: the command line's parser and --help do without it)
+
     try:
         return trio.run(function, *args)
     except BaseExceptionGroup as group:

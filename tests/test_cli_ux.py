@@ -3,8 +3,10 @@
 --help groups the flags and names the kind of value each takes; shell
 completion offers commands, flags and choices; output into a closed pipe ends
 quietly; `subscribe` says when it waits; `jobs` prints the List snapshot as a
-table; `check` answers exec probes. The commands run as real processes against
-a real server on 127.0.0.1 (the server in this test's trio loop).
+table (wider with `-o wide`, or JSON); `check` answers exec probes and, like
+`--help`, loads no server; the client commands find their server in
+JOBSIGNAL_TARGET; `demo` listens on this host only. The commands run as real
+processes against a real server on 127.0.0.1 (the server in this test's trio loop).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -23,8 +26,15 @@ import trio
 import trustme
 
 from jobsignal.cli import EXIT_STDOUT_CLOSED, main
-from jobsignal.client_cli import job_age, jobs_table, npu_count
-from jobsignal.config import SERVE_SETTINGS, SUBSCRIBE_SETTINGS
+from jobsignal.client_cli import demo_config, job_age, jobs_table, npu_count
+from jobsignal.config import (
+    DEFAULTS,
+    SERVE_SETTINGS,
+    SUBSCRIBE_SETTINGS,
+    ConfigError,
+    parse_listen,
+    show_address,
+)
 from jobsignal.fanout import Broadcaster
 from jobsignal.rpc.tls import TlsFiles
 from jobsignal.store.model import JobSummary
@@ -52,15 +62,18 @@ GROUPS = [
 ]
 
 
-async def jobsignal(*args: str, within: float = 30) -> subprocess.CompletedProcess[bytes]:
-    """`python -m jobsignal ARGS` run to its end, its output captured."""
+async def jobsignal(
+    *args: str, within: float = 30, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """`python -m jobsignal ARGS` run to its end, its output captured; `env` added to a
+    clean environment."""
     with trio.fail_after(within):
         return await trio.run_process(
             [sys.executable, "-m", "jobsignal", *args],
             capture_stdout=True,
             capture_stderr=True,
             check=False,
-            env={**CLEAN_ENV, "HOME": "/nonexistent"},
+            env={**CLEAN_ENV, "HOME": "/nonexistent", **(env or {})},
         )
 
 
@@ -354,6 +367,72 @@ async def test_jobs_of_an_empty_cluster_and_failures() -> None:
         assert b"Traceback" not in done.stderr
 
 
+async def test_jobs_wide_adds_columns_and_json_carries_every_field() -> None:
+    jobs = [
+        job("team-b", "resnet", "running", npus=16, age=20.5 * 3600),
+        job("team-a", "bert", "failed", npus=8, age=10 * DAY + 60),
+        job("team-c", "huge", "running", hccl_json="", age=5 * DAY),
+    ]
+    async with open_jobsignal_server() as server:
+        server.broadcaster.publish(jobs)
+        wide = await jobsignal("jobs", "--target", server.target, "-o", "wide")
+        as_json = await jobsignal("jobs", "--target", server.target, "--output", "json")
+        only_c = await jobsignal("jobs", "--target", server.target, "-o", "json", "-n", "team-c")
+        none = await jobsignal("jobs", "--target", server.target, "-o", "json", "-n", "other")
+        bad = await jobsignal("jobs", "--target", server.target, "-o", "yaml")
+    assert wide.returncode == 0, wide.stderr
+    # (Each line's cells one space apart.)
+    assert [" ".join(line.split()) for line in wide.stdout.decode().splitlines()] == [
+        "NAMESPACE NAME STATUS NPUS AGE FRAMEWORK SERVERS CONFIGMAPS MASTER JOB-ID",
+        "team-a bert failed 8 10d pytorch 1 2 10.253.1.1 uid-team-a-bert",
+        "team-b resnet running 16 20h pytorch 2 2 10.253.1.1 uid-team-b-resnet",
+        "team-c huge running <unknown> 5d pytorch <unknown> 2 10.253.1.1 uid-team-c-huge",
+    ]
+    assert as_json.returncode == 0, as_json.stderr
+    listed = json.loads(as_json.stdout)
+    assert [(j["namespace"], j["jobName"]) for j in listed] == [
+        ("team-a", "bert"),
+        ("team-b", "resnet"),
+        ("team-c", "huge"),
+    ]
+    # The wire's field names, as `subscribe --json` prints them, rank table included.
+    by_name = {j["jobName"]: j for j in listed}
+    resnet = next(j for j in jobs if j.job_name == "resnet")
+    assert by_name["resnet"]["HcclJson"] == resnet.hccl_json
+    assert by_name["resnet"]["jobId"] == "uid-team-b-resnet"
+    assert by_name["resnet"]["time"] == resnet.time
+    assert set(by_name["bert"]) >= {"uuid", "frameWork", "jobStatus", "total", "operator"}
+    assert [j["jobName"] for j in json.loads(only_c.stdout)] == ["huge"]
+    # An empty result is an empty array on stdout, for scripts, and no note.
+    assert (none.returncode, json.loads(none.stdout), none.stderr) == (0, [], b"")
+    assert bad.returncode == 2 and b"invalid choice: 'yaml'" in bad.stderr
+
+
+async def test_client_commands_find_their_server_in_jobsignal_target() -> None:
+    async with open_jobsignal_server() as server:
+        server.broadcaster.publish([job("ns", "from-env", "running")])
+        by_env = await jobsignal("jobs", "--no-headers", env={"JOBSIGNAL_TARGET": server.target})
+        checked = await jobsignal("check", env={"JOBSIGNAL_TARGET": server.target})
+        # A flag beats its env var, either way round.
+        flag_wins = await jobsignal(
+            "check", "--target", server.target, env={"JOBSIGNAL_TARGET": "nowhere"}
+        )
+    down = await jobsignal("check", "--target", server.target, env={"JOBSIGNAL_TARGET": "x:1"})
+    missing = await jobsignal("check")
+    malformed = await jobsignal("jobs", env={"JOBSIGNAL_TARGET": "nowhere"})
+    assert by_env.returncode == 0, by_env.stderr
+    assert by_env.stdout.split()[:2] == [b"ns", b"from-env"]
+    assert (checked.returncode, checked.stdout) == (0, b"SERVING\n")
+    assert (flag_wins.returncode, flag_wins.stdout) == (0, b"SERVING\n")
+    assert down.returncode == 1 and f"cannot reach {server.target}".encode() in down.stderr
+    assert missing.returncode == 2
+    assert b"give --target HOST:PORT or set JOBSIGNAL_TARGET" in missing.stderr
+    assert malformed.returncode == 2
+    assert b"JOBSIGNAL_TARGET='nowhere': must be HOST:PORT" in malformed.stderr
+    for done in (missing, malformed):
+        assert b"Traceback" not in done.stderr
+
+
 def test_a_table_row_holds_no_blanks_and_marks_deleted_jobs() -> None:
     # Job names come from ConfigMap data: a blank or an escape must not break the columns.
     odd = job("ns", "a b\x1b[2J", "running", age=60)
@@ -453,3 +532,82 @@ async def test_check_over_mutual_tls(tmp_path: Path) -> None:
     assert (trusted.returncode, trusted.stdout) == (0, b"SERVING\n"), trusted.stderr
     assert anonymous.returncode == 1 and b"requires a client certificate" in anonymous.stderr
     assert (listed.returncode, listed.stderr) == (0, b"No jobs found.\n")
+
+
+async def test_check_and_help_load_no_server() -> None:
+    """An exec probe's `check` and `--help` import neither the server (jobsignal.app, the
+    watcher, fan-out, the metrics) nor httpx: that was most of what a call cost (python
+    -X importtime; figures in CHANGELOG.md)."""
+    server_modules = (
+        "jobsignal.app",
+        "jobsignal.kube",
+        "jobsignal.fanout",
+        "jobsignal.metrics",
+        "jobsignal.store",
+        "jobsignal.sim",
+        "httpx",
+        "prometheus_client",
+    )
+    script = (
+        "import json, sys\n"
+        "from jobsignal.cli import main\n"
+        "try:\n"
+        "    status = main(sys.argv[1:])\n"
+        "except SystemExit as exit:\n"
+        "    status = exit.code\n"
+        "print(json.dumps([status, sorted(sys.modules)]))\n"
+    )
+
+    async def loaded(*args: str) -> tuple[int, set[str]]:
+        done = await trio.run_process(
+            [sys.executable, "-c", script, *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env={**CLEAN_ENV, "HOME": "/nonexistent"},
+        )
+        status, modules = json.loads(done.stdout.decode().splitlines()[-1])
+        return status, {m for m in modules if m.startswith(server_modules)}
+
+    async with open_jobsignal_server() as server:
+        checked = await loaded("check", "--target", server.target)
+    assert checked == (0, set())
+    assert await loaded("--help") == (0, set())
+    assert await loaded("check", "--help") == (0, set())
+    assert await loaded("completion", "bash") == (0, set())
+    # The probe is not blind: `serve` (stopped by a bad address) has loaded the server.
+    serve_status, serve_modules = await loaded("serve", "--listen", "nowhere")
+    assert serve_status == 2 and "jobsignal.app" in serve_modules
+
+
+# -- jobsignal demo -----------------------------------------------------------------------------
+
+
+def test_demo_listens_on_this_host_only_unless_told_otherwise(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert demo_config({}, {}).listen == (("127.0.0.1", 8899),)
+    assert demo_config({}, {"JOBSIGNAL_LISTEN": ":9000"}).listen == (("", 9000),)
+    flag = demo_config({"listen": "127.0.0.1:0"}, {"JOBSIGNAL_LISTEN": ":9000"})
+    assert flag.listen == (("127.0.0.1", 0),)
+    assert (flag.source, flag.drain_delay) == ("demo", 0)
+    with pytest.raises(ConfigError, match="JOBSIGNAL_LISTEN='bad'"):
+        demo_config({}, {"JOBSIGNAL_LISTEN": "bad"})
+    # `serve` keeps every address: in a pod it must be reachable.
+    assert DEFAULTS.listen == (("", 8899),)
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "default '127.0.0.1:8899'" in capsys.readouterr().out
+
+
+def test_addresses_are_shown_as_listen_reads_them() -> None:
+    shown = {
+        ("::", 8899): "[::]:8899",
+        ("::1", 1): "[::1]:1",
+        ("0.0.0.0", 8899): "0.0.0.0:8899",
+        ("127.0.0.1", 0): "127.0.0.1:0",
+        ("", 8899): ":8899",
+    }
+    assert {address: show_address(*address) for address in shown} == shown
+    for (host, port), text in shown.items():
+        assert parse_listen(text, any_host=True) == (host, port)

@@ -17,10 +17,10 @@ by every server handler and client call, then raise "RuntimeError: no
 running event loop" and every RPC fails with UNKNOWN. On 3.11
 `current_task` is pure Python and finds the loop through the patched
 function, so nothing shows. `install()` rebinds grpclib's alias; it runs
-when `jobsignal` is imported. It stays necessary while grpclib caches
-`asyncio.current_task` at import (0.4.9); a grpclib that looks it up at
-call time, or a trio-asyncio that sets the C-level running loop, makes it a
-no-op.
+when `jobsignal.rpc` is imported (the server and the client import it). It
+stays necessary while grpclib caches `asyncio.current_task` at import
+(0.4.9); a grpclib that looks it up at call time, or a trio-asyncio that
+sets the C-level running loop, makes it a no-op.
 
 And it keeps an idle connection small (docs/architecture.md section 8, "Lean
 per-connection state"). h2, grpclib and asyncio hold about twenty

@@ -25,6 +25,8 @@ class ClusterdJob:
     devices_per_server: int = 8
     # ClusterD splits large rank tables; this many servers per ConfigMap.
     servers_per_configmap: int = 1000
+    # ClusterD's `time`, the job's start (Unix seconds). Fixed by default, so that the
+    # tests' jobs are the same from run to run; the demo cluster gives the real start.
     created: int = 1_700_000_000
     extra_server_keys: dict[str, str] = field(default_factory=dict)
     # Each ConfigMap's hccl.json while the job has servers, built with the job,

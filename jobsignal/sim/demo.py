@@ -40,16 +40,27 @@ def _remove(state: ConfigMapStore, job: ClusterdJob) -> None:
 async def play_scenario(state: ConfigMapStore, step: float = 2.0) -> None:
     """Forever: a round of jobs through their whole lifecycle, `step` seconds apart."""
     for round_number in itertools.count(1):
+        # ClusterD's `time` is the job's start: now, so `jobsignal jobs` shows its true age.
+        started = int(time.time())
         jobs = [
-            ClusterdJob(NAMESPACE, f"resnet50-{round_number}", random_uuid(), servers=2),
+            ClusterdJob(
+                NAMESPACE, f"resnet50-{round_number}", random_uuid(), servers=2, created=started
+            ),
             ClusterdJob(
                 NAMESPACE,
                 f"llama-70b-{round_number}",
                 random_uuid(),
                 servers=96,
                 servers_per_configmap=40,
+                created=started,
             ),
-            ClusterdJob(NAMESPACE, f"bert-{round_number}", random_uuid(), framework="mindspore"),
+            ClusterdJob(
+                NAMESPACE,
+                f"bert-{round_number}",
+                random_uuid(),
+                framework="mindspore",
+                created=started,
+            ),
         ]
         finals = ["complete", "complete", "failed"]
         for job in jobs:

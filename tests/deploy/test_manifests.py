@@ -47,6 +47,8 @@ import trio
 from prometheus_client import CollectorRegistry, Gauge
 
 import jobsignal
+from jobsignal.cli import build_parser
+from jobsignal.config import parse_listen
 from jobsignal.metrics_server import run_metrics_server
 from tests.support.manifests import (
     COMPONENT_PURPOSES,
@@ -85,9 +87,11 @@ from tests.support.manifests import (
     _differences,
     _dockerfile_env,
     _dockerfile_instructions,
+    _dockerfile_stages,
     _documents,
     _env_values,
     _exec_form,
+    _expand,
     _get,
     _install_name,
     _is_component,
@@ -470,13 +474,19 @@ async def test_probe_and_scrape_paths_are_answered_as_each_needs() -> None:
 
 
 def test_dockerfile() -> None:
-    steps = _dockerfile_instructions(DOCKERFILE.read_text())
-    first = [args for keyword, args in steps if keyword == "FROM"]
-    assert len(first) == 1 and first[0].startswith("python:3.11-slim"), first
+    global_args, stages = _dockerfile_stages(_dockerfile_instructions(DOCKERFILE.read_text()))
+    assert len(stages) == 2, "a build stage and the final image"
+    build, final = stages
+    # Both stages on the one base, pinned by digest.
+    base, digest = global_args["BASE_IMAGE"], global_args["BASE_DIGEST"]
+    assert base.startswith("python:3.11-slim") and "@" not in base, base
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest), digest
+    froms = [_expand(stage[0][1], global_args).split() for stage in stages]
+    assert froms == [[f"{base}@{digest}", "AS", "build"], [f"{base}@{digest}"]], froms
 
     def last(keyword: str) -> str:
-        found = [args for kw, args in steps if kw == keyword]
-        assert found, f"Dockerfile has no {keyword}"
+        found = [args for kw, args in final if kw == keyword]
+        assert found, f"the final stage has no {keyword}"
         return found[-1]
 
     user = last("USER").split(":")
@@ -490,28 +500,96 @@ def test_dockerfile() -> None:
     config = _serve_config(_exec_form(last("CMD"), "CMD"), {}, "Dockerfile CMD")
     assert config.source == "kubernetes"
 
-    env = _dockerfile_env(steps)
-    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
-    copied = [args.split()[:-1] for keyword, args in steps if keyword == "COPY"]
+    # The build stage installs from exactly the sources .dockerignore lets in.
+    copied = [args.split()[:-1] for keyword, args in build if keyword == "COPY"]
     assert sorted(src for sources in copied for src in sources) == [
         "README.md",
         "jobsignal/",
         "pyproject.toml",
     ]
-    runs = [args for keyword, args in steps if keyword == "RUN"]
-    assert any(re.search(r"pip install --no-cache-dir .* \.(\s|$)", run) for run in runs), runs
+    # (Each RUN with its blanks, continuation lines' included, made single spaces.)
+    build_runs = [" ".join(args.split()) for keyword, args in build if keyword == "RUN"]
+    venv = "/opt/jobsignal"
+    assert any(f"-m venv --without-pip {venv}" in run for run in build_runs), build_runs
+    assert any(
+        re.search(rf"pip --python {venv}/bin/python install --no-cache-dir .* \.(\s|$)", run)
+        for run in build_runs
+    ), build_runs
+
+    # The final image takes the venv alone from the build stage, installs nothing
+    # and removes the base's pip.
+    final_copies = [args.split() for keyword, args in final if keyword in ("COPY", "ADD")]
+    assert final_copies == [["--from=build", venv, venv]], final_copies
+    runs = [" ".join(args.split()) for keyword, args in final if keyword == "RUN"]
+    assert not [run for run in runs if re.search(r"pip\S* install", run)], runs
+    assert any(re.search(r"pip uninstall --yes pip\b", run) for run in runs), runs
+    env = _dockerfile_env(final)
+    assert env["PATH"].split(":")[0] == f"{venv}/bin", env["PATH"]
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert not {name for name in env if name.startswith("PIP_")}, env
     # The read-only container never writes bytecode, and python:*-slim has none
     # for its standard library: it is compiled in the image, at the -O level the
-    # server runs with (a .pyc of another level is not used).
+    # server runs with (a .pyc of another level is not used), by the venv's Python
+    # (whose purelib is the venv's site-packages).
     level = int(env.get("PYTHONOPTIMIZE", "0"))
     compile_flags = {
         match.group(1) or ""
         for run in runs
-        for match in re.finditer(r"python (-O+ )?-m compileall", run)
+        for match in re.finditer(rf"{venv}/bin/python (-O+ )?-m compileall", run)
     }
     assert compile_flags == {("-" + "O" * level + " ") if level else ""}, compile_flags
     compiled = " ".join(run for run in runs if "compileall" in run)
     assert 'get_path("stdlib")' in compiled and 'get_path("purelib")' in compiled, compiled
+
+
+def test_dockerfile_labels_the_image_as_oci_says() -> None:
+    global_args, stages = _dockerfile_stages(_dockerfile_instructions(DOCKERFILE.read_text()))
+    final = stages[-1]
+    stage_args = dict(global_args)
+    for keyword, arguments in final:
+        if keyword == "ARG":
+            name, equals, default = arguments.partition("=")
+            if equals:
+                stage_args[name] = default
+            else:  # a global ARG brought into the stage
+                assert name in global_args, f"ARG {name} has no value"
+    labels: dict[str, str] = {}
+    for keyword, arguments in final:
+        if keyword == "LABEL":
+            for key, value in re.findall(r'(\S+)="([^"]*)"', arguments):
+                labels[key] = _expand(value, stage_args)
+    oci = "org.opencontainers.image."
+    assert {key.removeprefix(oci): value for key, value in labels.items()} == {
+        "title": "jobsignal",
+        "description": labels[oci + "description"],
+        "licenses": "Apache-2.0",
+        "version": jobsignal.__version__,
+        "revision": "unknown",
+        "created": "unknown",
+        "base.name": global_args["BASE_IMAGE"],
+        "base.digest": global_args["BASE_DIGEST"],
+    }
+    assert labels[oci + "description"]
+    license_text = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    assert (
+        license_text == {"text": labels[oci + "licenses"]}
+        or license_text == labels[oci + "licenses"]
+    )
+
+
+def test_readme_builds_the_image_for_amd64_and_arm64() -> None:
+    """The documented line builds both platforms from this Dockerfile, and the
+    Dockerfile's own comment says the same."""
+    for text in (DEPLOY / "README.md").read_text(), DOCKERFILE.read_text():
+        joined = re.sub(r"\\\n#?\s*", " ", text)
+        builds = [line for line in joined.splitlines() if "docker buildx build" in line]
+        assert builds, "no `docker buildx build` line"
+        for line in builds:
+            assert "-f deploy/Dockerfile" in line, line
+            platforms = re.search(r"--platform[ =](\S+)", line)
+            assert platforms, line
+            assert set(platforms.group(1).split(",")) == {"linux/amd64", "linux/arm64"}, line
+            assert line.rstrip().endswith(" ."), f"build from the repository root: {line}"
 
 
 def test_dockerignore_keeps_what_the_image_copies() -> None:
@@ -565,3 +643,44 @@ def test_kustomize_build_with_the_commented_component_line(directory: Path, tmp_
     assert sorted(components) == sorted(c.resolve() for c in COMPONENTS), listed
     where = f"{_rel(directory)}, uncommented"
     _check_with_components(directory, _render(kustomization.parent), components, where)
+
+
+def _documented_probes() -> dict[str, Obj]:
+    """The probe snippets of deploy/README.md's "Probes" section, by handler."""
+    text = (DEPLOY / "README.md").read_text()
+    section = text[text.index("## Probes\n") : text.index("## Shutdown\n")]
+    probes: dict[str, Obj] = {}
+    for block in re.findall(r"```yaml\n(.*?)```", section, re.DOTALL):
+        (doc,) = _documents(block, "deploy/README.md")
+        for kind, probe in doc.items():
+            assert kind.endswith("Probe"), kind
+            (handler,) = {"grpc", "httpGet", "exec", "tcpSocket"} & probe.keys()
+            probes[handler] = {kind: probe}
+    return probes
+
+
+@pytest.mark.usefixtures("no_network")
+def test_the_documented_cheap_and_mutual_tls_probes_work() -> None:
+    """The kubelet's gRPC probe (no metrics port) and the exec probe (mutual TLS)
+    that deploy/README.md recommends are valid Kubernetes on both schema
+    versions, aim at the gRPC port, and the exec one is a `jobsignal check` the
+    command line accepts, over TLS, on loopback."""
+    probes = _documented_probes()
+    assert probes.keys() == {"grpc", "exec"}, probes.keys()
+    deployment = next(m for m in MANIFESTS if m.kind == "Deployment")
+    for handler, snippet in probes.items():
+        body = copy.deepcopy(deployment.body)
+        container = _jobsignal_container(body)
+        container.pop("readinessProbe")
+        container.update(snippet)
+        _validate_schema(body, f"deploy/README.md {handler} probe")
+    grpc = probes["grpc"]["readinessProbe"]["grpc"]
+    assert grpc["port"] == GRPC_PORT and grpc.get("service", "") == ""
+    command = probes["exec"]["readinessProbe"]["exec"]["command"]
+    assert command[:2] == ["jobsignal", "check"], command
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "check" and args.tls_ca and args.tls_cert and args.tls_key
+    host, port = parse_listen(args.target)
+    assert host in LOOPBACK_HOSTS and port == GRPC_PORT
+    # The process it starts: its period must leave it room.
+    assert probes["exec"]["readinessProbe"]["periodSeconds"] >= 10

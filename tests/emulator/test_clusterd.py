@@ -1,11 +1,18 @@
 """The ClusterD stand-in's ConfigMaps: a split rank table, the same in every
-status that has servers (built once), and fresh data on every call."""
+status that has servers (built once), and fresh data on every call; the demo
+cluster's jobs start now."""
 
 from __future__ import annotations
 
 import json
+import time
+
+import trio
+import trio.testing
 
 from jobsignal.sim.clusterd import ClusterdJob
+from jobsignal.sim.demo import play_scenario
+from jobsignal.sim.emulator import ConfigMapStore
 
 
 def test_a_split_job_carries_its_servers_in_order_and_the_header_everywhere() -> None:
@@ -53,3 +60,19 @@ def test_every_call_returns_data_of_its_own() -> None:
     [(_, again)] = job.configmaps("running")
     assert again["sid"] == ""
     assert json.loads(again["hccl.json"])["server_list"] == job.server_list()
+
+
+async def test_the_demo_cluster_stamps_its_jobs_with_their_real_start() -> None:
+    """`jobsignal jobs` on the demo shows the age of a job just started, not years."""
+    state = ConfigMapStore()
+    before = time.time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(play_scenario, state, 3600.0)
+        await trio.testing.wait_all_tasks_blocked()  # the first round is written, pending
+        nursery.cancel_scope.cancel()
+    after = time.time()
+    starts = {int(cm.data["time"]) for cm in state.objects()}
+    assert len(state.objects()) >= 3 and len(starts) == 1, starts
+    (started,) = starts
+    assert int(before) <= started <= after
+    assert {cm.data["job_status"] for cm in state.objects()} == {"pending"}

@@ -37,7 +37,7 @@ from h2.stream import StreamInputs
 from hypothesis import given
 from hypothesis import strategies as st
 
-import jobsignal  # noqa: F401  (importing jobsignal installs the adapter)
+import jobsignal.rpc  # noqa: F401  (importing jobsignal.rpc installs the adapter)
 from jobsignal.rpc import _grpclib
 from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 

@@ -271,9 +271,10 @@ def _security(pod_spec: Mapping[str, Any], container: Mapping[str, Any]) -> Obj:
     return merged
 
 
-# The Prometheus Operator's ServiceMonitor (monitoring.coreos.com/v1), reduced
-# to the fields these manifests may use and strict like the Kubernetes check:
-# anything else, a misspelt field included, is an error. Field names and types
+# The Prometheus Operator's ServiceMonitor and PrometheusRule
+# (monitoring.coreos.com/v1), reduced to the fields these manifests may use and
+# strict like the Kubernetes check: anything else, a misspelt field included, is
+# an error. Field names and types
 # follow the operator's CRD; extend the schema when a manifest needs more.
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 
@@ -321,44 +322,98 @@ _SCRAPE_ENDPOINT = {
 }
 
 
-MONITOR_SCHEMAS: dict[str, Obj] = {
-    "ServiceMonitor": {
+_METADATA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
+        "namespace": {"type": "string"},
+        "labels": _STRING_MAP,
+        "annotations": _STRING_MAP,
+    },
+}
+
+
+# One rule of a PrometheusRule's group: an alert or a recording rule, as the
+# operator's CRD (and Prometheus' rules file) has them.
+_RULE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["expr"],
+    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+    "properties": {
+        "alert": {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_]*$"},
+        "record": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+        "expr": {"type": "string", "minLength": 1},
+        "for": _DURATION,
+        "keep_firing_for": _DURATION,
+        "labels": _STRING_MAP,
+        "annotations": _STRING_MAP,
+    },
+}
+
+
+def _monitoring_kind(kind: str, spec: Obj) -> Obj:
+    """A strict schema of a monitoring.coreos.com/v1 object of `kind` with this `spec`."""
+    return {
         "type": "object",
         "additionalProperties": False,
         "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
             "apiVersion": {"const": f"{MONITORING_GROUP}/v1"},
-            "kind": {"const": "ServiceMonitor"},
-            "metadata": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["name"],
-                "properties": {
-                    "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
-                    "namespace": {"type": "string"},
-                    "labels": _STRING_MAP,
-                    "annotations": _STRING_MAP,
-                },
-            },
-            "spec": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["selector", "endpoints"],
-                "properties": {
-                    "selector": _LABEL_SELECTOR,
-                    "endpoints": {"type": "array", "minItems": 1, "items": _SCRAPE_ENDPOINT},
-                    "namespaceSelector": {
+            "kind": {"const": kind},
+            "metadata": _METADATA,
+            "spec": spec,
+        },
+    }
+
+
+MONITOR_SCHEMAS: dict[str, Obj] = {
+    "PrometheusRule": _monitoring_kind(
+        "PrometheusRule",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
                         "type": "object",
                         "additionalProperties": False,
-                        "properties": {"any": {"type": "boolean"}, "matchNames": _STRINGS},
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": _DURATION,
+                            "rules": {"type": "array", "minItems": 1, "items": _RULE},
+                        },
                     },
-                    "jobLabel": {"type": "string"},
-                    "targetLabels": _STRINGS,
-                    "podTargetLabels": _STRINGS,
                 },
             },
         },
-    },
+    ),
+    "ServiceMonitor": _monitoring_kind(
+        "ServiceMonitor",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": _LABEL_SELECTOR,
+                "endpoints": {"type": "array", "minItems": 1, "items": _SCRAPE_ENDPOINT},
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"any": {"type": "boolean"}, "matchNames": _STRINGS},
+                },
+                "jobLabel": {"type": "string"},
+                "targetLabels": _STRINGS,
+                "podTargetLabels": _STRINGS,
+            },
+        },
+    ),
 }
 
 
@@ -428,8 +483,10 @@ class ComponentPurpose:
 
 
 COMPONENT_PURPOSES = {
-    # A ServiceMonitor, and the install itself unchanged.
-    "prometheus-operator": ComponentPurpose(adds=("ServiceMonitor",)),
+    # A ServiceMonitor and the alerting rules, and the install itself unchanged.
+    "prometheus-operator": ComponentPurpose(adds=("ServiceMonitor", "PrometheusRule")),
+    # Who may connect to which port, and the install itself unchanged.
+    "networkpolicy": ComponentPurpose(adds=("NetworkPolicy",)),
     # Several replicas: a PodDisruptionBudget, and the Deployment's replica
     # count and pod spreading.
     "ha": ComponentPurpose(
@@ -891,6 +948,35 @@ def _dockerfile_env(instructions: list[tuple[str, str]]) -> dict[str, str]:
                 assert equals, f"ENV {arguments!r}: use the NAME=value form"
                 env[name] = value
     return env
+
+
+def _dockerfile_stages(
+    instructions: list[tuple[str, str]],
+) -> tuple[dict[str, str], list[list[tuple[str, str]]]]:
+    """The global ARGs' defaults (those before the first FROM), and the instructions
+    of each stage, each list starting with its FROM."""
+    global_args: dict[str, str] = {}
+    stages: list[list[tuple[str, str]]] = []
+    for keyword, arguments in instructions:
+        if keyword == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((keyword, arguments))
+        elif keyword == "ARG":
+            name, _, default = arguments.partition("=")
+            global_args[name] = default
+    return global_args, stages
+
+
+def _expand(text: str, values: Mapping[str, str]) -> str:
+    """`text` with $NAME and ${NAME} replaced as Docker does (unknown names fail)."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        assert name in values, f"{text!r}: ${name} has no value"
+        return values[name]
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, text)
 
 
 def _exec_form(arguments: str, instruction: str) -> list[str]:
