@@ -32,8 +32,6 @@ Job events in-process, without gRPC (plain dataclasses; see jobsignal.events)::
 import importlib
 from typing import TYPE_CHECKING
 
-# First, so that betterproto2 (imported by the generated code) skips importlib.metadata.
-import jobsignal.betterproto_version  # noqa: F401
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
 from jobsignal.app import RunningJobsignal
 from jobsignal.app import run_jobsignal as serve
