@@ -258,7 +258,7 @@ async def test_a_refused_connection_is_a_connect_error() -> None:
         port = probe.getsockname()[1]
     refused = connection(f"http://{LOOPBACK}:{port}")
     async with open_kube_client(refused, timeout=httpx.Timeout(5.0)) as client:
-        with pytest.raises(ApiUnavailable, match="LIST failed: ConnectError: .*refused"):
+        with pytest.raises(ApiUnavailable, match=r"LIST failed: ConnectError: .*refused"):
             await KubeApi(client, None, read_timeout=5.0).list_page(None, {})
 
 
@@ -276,7 +276,7 @@ async def test_https_checks_the_certificate(ca: trustme.CA) -> None:
         trustme.CA().configure_trust(stranger)
         async with open_kube_client(connection(url, verify=stranger), timeout=TIMEOUT) as client:
             # What the watcher logs names the reason (httpx's own message may be empty).
-            with pytest.raises(ApiUnavailable, match="ConnectError: .*certificate verify failed"):
+            with pytest.raises(ApiUnavailable, match=r"ConnectError: .*certificate verify failed"):
                 await KubeApi(client, None, read_timeout=5.0).list_page(None, {})
 
 
