@@ -188,3 +188,25 @@ def bench(session: nox.Session) -> None:
     """
     session.install("-e", ".[test]", "matplotlib", "py-spy")
     session.run("python", "-m", "bench", *session.posargs)
+
+
+# -- the ends of the dependency ranges ------------------------------------------------------
+# Self-contained: each installs jobsignal with its test extra at one end of
+# pyproject.toml's ranges and runs the suite (posargs: pytest's arguments). Not
+# in the default run: each takes about as long as `tests` on one Python.
+
+LOWEST_CONSTRAINTS = ROOT / "constraints" / "lowest.txt"
+
+
+@nox.session(python=PYTHONS[0])
+def tests_lowest(session: nox.Session) -> None:
+    """The suite on the lowest versions the ranges admit (constraints/lowest.txt), oldest Python."""
+    session.install("-e", ".[test]", "-c", str(LOWEST_CONSTRAINTS))
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=PYTHONS[-1])
+def tests_newest(session: nox.Session) -> None:
+    """The suite on the newest releases the ranges admit, newest Python."""
+    session.install("--upgrade", "--upgrade-strategy", "eager", "-e", ".[test]")
+    session.run("pytest", *session.posargs)

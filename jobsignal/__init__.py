@@ -32,8 +32,6 @@ Job events in-process, without gRPC (plain dataclasses; see jobsignal.events)::
 import importlib
 from typing import TYPE_CHECKING
 
-# First, so that betterproto2 (imported by the generated code) skips importlib.metadata.
-import jobsignal.betterproto_version  # noqa: F401
 from jobsignal.config import Config, ConfigError, configure
 from jobsignal.version import __version__ as __version__
 

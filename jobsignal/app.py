@@ -359,14 +359,18 @@ async def run_jobsignal(
     *,
     shutdown: trio.Event | None = None,
     handle_signals: bool = False,
+    settle_memory: bool = False,
     environ: Mapping[str, str] = os.environ,
     task_status: trio.TaskStatus[RunningJobsignal] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a whole jobsignal server until `shutdown` is set (or SIGINT/SIGTERM).
+    """Run a whole jobsignal server until `shutdown` is set (or, with
+    `handle_signals`, SIGINT/SIGTERM).
 
-    Once the first LIST is loaded it calls `gc.freeze()`, and after every LIST
-    it gives free C heap pages back to the system (`_settle_memory_after_lists`):
-    both also affect an embedding program.
+    With `settle_memory` (the CLI's `jobsignal serve` asks for it) it calls
+    `gc.freeze()` once the first LIST is loaded and gives free C heap pages
+    back to the system after every LIST (`_settle_memory_after_lists`): both
+    act on the whole process, so an embedding program gets neither unless it
+    asks.
     """
     connection = choose_connection(config, environ)
     relay_tls = _relay_tls(config)
@@ -425,7 +429,8 @@ async def run_jobsignal(
                 port,
                 build_registry(sources),
             )
-        nursery.start_soon(_settle_memory_after_lists, status)
+        if settle_memory:
+            nursery.start_soon(_settle_memory_after_lists, status)
         parts = ServerParts(broadcaster, registry, store, status, source, server)
         task_status.started(RunningJobsignal(parts, shutdown, metrics_port))
         await server.stopped.wait()

@@ -254,7 +254,8 @@ def _command(args: argparse.Namespace) -> int:
         if raised is not None and raised[1] > raised[0]:
             log.info("open files: soft limit raised from %d to %d", *raised)
         try:
-            trio.run(lambda: run_jobsignal(config, handle_signals=True))
+            # The process is jobsignal's own: signals and the gc and heap settling are its.
+            trio.run(lambda: run_jobsignal(config, handle_signals=True, settle_memory=True))
         except BaseExceptionGroup as group:
             # A start-up error (a port in use) comes wrapped by trio-asyncio's nurseries.
             lone = lone_exception(group)

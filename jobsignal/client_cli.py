@@ -223,7 +223,9 @@ async def _demo(config_flags: dict[str, str | None], environ: Mapping[str, str])
     config = demo_config(config_flags, environ)
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
-            lambda task_status: run_jobsignal(config, handle_signals=True, task_status=task_status)
+            lambda task_status: run_jobsignal(
+                config, handle_signals=True, settle_memory=True, task_status=task_status
+            )
         )
         host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
         options = SubscribeOptions(host, server.port, "CCAgent")

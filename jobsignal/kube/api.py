@@ -1,8 +1,8 @@
 """The Kubernetes API as the watcher needs it: paged LIST and WATCH of ConfigMaps.
 
-Raw HTTP through httpx. `open_kube_client` builds the client from a
-`KubeConnection`: TLS, the cluster's proxy (or, reached directly, jobsignal's
-own trio transport, `kube.transport`), ``User-Agent: jobsignal/<version>``
+Raw HTTP through httpx and its own transport. `open_kube_client` builds the
+client from a `KubeConnection`: TLS, the proxy the connection names (none:
+straight to the server), ``User-Agent: jobsignal/<version>``
 (so audit logs and API Priority and Fairness can tell jobsignal apart) and, for
 exec credential plugins, an httpx auth hook that fetches the credential before
 each request and drops it after a 401. Every failure leaves this module as one
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import ssl
-import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -26,7 +25,6 @@ import trio
 from jobsignal.kube import documents
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, load_client_certificate
 from jobsignal.kube.exec_plugin import ExecCredentialError
-from jobsignal.kube.transport import DirectTransport
 from jobsignal.logs import RateLimitedLog
 from jobsignal.version import __version__
 
@@ -113,40 +111,34 @@ def user_agent() -> str:
 def open_kube_client(connection: KubeConnection, *, timeout: httpx.Timeout) -> httpx.AsyncClient:
     """An httpx client for the API server *connection* describes; use it with ``async with``.
 
-    Without a ``proxy-url`` the usual proxy environment variables apply, as
-    for kubectl: with one of them set, httpx's own transport (httpcore)
-    carries the requests, which knows proxies and CONNECT tunnels; without,
-    `DirectTransport`. With an exec plugin, connections are not kept alive: a
-    renewed client certificate must be presented by the very next request
-    (the API server checks it per request), and the watcher's few requests
-    gain little from reuse.
+    Requests go through `connection.proxy` when it names one (the cluster's
+    ``proxy-url`` or the environment's proxy for this server, decided by
+    `kube.credentials` as client-go decides it); httpx's own reading of the
+    environment is off (``trust_env=False``), so NO_PROXY's CIDRs are not
+    second-guessed. With an exec plugin, connections are not kept alive
+    (``Connection: close``, no idle connection kept): a renewed client
+    certificate must be presented by the very next request (the API server
+    checks it per request), and the watcher's few requests gain little from
+    reuse.
     """
     auth: httpx.Auth | None = None
+    headers = {"User-Agent": user_agent()}
+    limits = httpx.Limits()
     if connection.exec_credentials is not None:
         auth = ExecAuth(connection.exec_credentials, connection.verify)
-    keep_alive = connection.exec_credentials is None
-    common: dict[str, Any] = {
-        "base_url": connection.base_url,
-        "auth": auth,
-        "headers": {"User-Agent": user_agent()},
-        "timeout": timeout,
-    }
-    if connection.proxy is None and not _proxy_in_environment():
-        transport = DirectTransport(connection.verify, keep_alive=keep_alive)
-        return httpx.AsyncClient(transport=transport, **common)
+        headers["Connection"] = "close"
+        limits = httpx.Limits(max_keepalive_connections=0)
     return httpx.AsyncClient(
+        base_url=connection.base_url,
         # (A plain-http server's requests never use this context; httpx wants one.)
         verify=connection.verify or ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT),
         proxy=connection.proxy,
-        limits=httpx.Limits() if keep_alive else httpx.Limits(max_keepalive_connections=0),
-        **common,
+        trust_env=False,
+        auth=auth,
+        headers=headers,
+        timeout=timeout,
+        limits=limits,
     )
-
-
-def _proxy_in_environment() -> bool:
-    """Whether HTTP_PROXY, HTTPS_PROXY or ALL_PROXY (any case) is set; NO_PROXY is
-    left to httpx, which reads them all."""
-    return any(scheme in ("http", "https", "all") for scheme in urllib.request.getproxies())
 
 
 class ExecAuth(httpx.Auth):
@@ -428,5 +420,26 @@ async def _read_bounded(response: httpx.Response, limit: int = 64 * 1024) -> byt
 
 
 def _describe(error: BaseException) -> str:
-    text = str(error) or type(error).__name__
-    return f"{type(error).__name__}: {text}" if str(error) else text
+    """The error's type and message, and the reason under it when the message
+    does not say it: over trio, httpx's ConnectError and ReadError often carry
+    no text of their own, and the OS or OpenSSL error is their cause."""
+    text = str(error)
+    reason = _underlying_reason(error)
+    if reason and reason not in text:
+        text = f"{text} ({reason})" if text else reason
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _underlying_reason(error: BaseException) -> str:
+    """The text of the innermost exception under `error` that has one (each of a
+    group's, joined: trio tries every address of a host)."""
+    found = ""
+    seen: set[int] = set()
+    cause: BaseException | None = error.__cause__ or error.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, BaseExceptionGroup):
+            return "; ".join(sorted({str(inner) for inner in cause.exceptions if str(inner)}))
+        found = str(cause) or found
+        cause = cause.__cause__ or cause.__context__
+    return found

@@ -13,7 +13,9 @@ Supported: service-account token, CA and namespace; kubeconfig ``server``,
 ``tls-server-name``, ``proxy-url`` (http and https proxies), ``token``,
 ``tokenFile``, ``client-certificate(-data)``, ``client-key(-data)`` and
 ``exec`` credential plugins (checked here, run by kube.exec_credentials);
-``KUBECONFIG`` lists are merged like kubectl does. Not supported (rejected
+``KUBECONFIG`` lists are merged like kubectl does. Without a ``proxy-url``
+the proxy comes from the environment as client-go reads it (kube.proxies:
+``HTTPS_PROXY``, ``HTTP_PROXY``, ``NO_PROXY`` with CIDRs). Not supported (rejected
 with a message rather than ignored): auth-provider plugins, basic auth,
 impersonation (``as``, ``as-uid``, ``as-groups``, ``as-user-extra``) and
 socks proxies.
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from jobsignal.kube.exec_plugin import API_VERSIONS, ExecPlugin, exec_info
+from jobsignal.kube.proxies import ProxyConfigError, proxy_for
 from jobsignal.text import quote
 
 if TYPE_CHECKING:
@@ -160,7 +163,8 @@ class TokenSource:
 class KubeConnection:
     """Everything needed to build an ``httpx.AsyncClient`` for the API server.
 
-    Requests go to ``base_url`` (through ``proxy`` when set), with an
+    Requests go to ``base_url`` (through ``proxy`` when set: the cluster's
+    ``proxy-url``, else the environment's proxy for ``base_url``), with an
     ``Authorization: Bearer <conn.token_source.current()>`` header when
     ``token_source`` is set, or the credentials of ``exec_credentials``
     (kube.api's ``open_kube_client`` does all of it). ``verify`` carries the CA
@@ -174,7 +178,8 @@ class KubeConnection:
     token_source: TokenSource | None
     description: str
     default_namespace: str | None
-    #: The cluster's ``proxy-url`` (it may hold proxy credentials: not for logs).
+    #: The proxy for ``base_url``: the cluster's ``proxy-url``, else the one the
+    #: environment gives it (it may hold proxy credentials: not for logs).
     proxy: str | None = field(default=None, repr=False)
     #: The user's exec credential plugin, run before requests as needed.
     exec_credentials: ExecCredentials | None = None
@@ -199,6 +204,7 @@ def load_in_cluster(
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 literal must be bracketed in a URL
     base_url = f"https://{host}:{int(port)}"
+    proxy, proxy_note = _proxy_choice(None, base_url, environ)
 
     tokens = TokenSource.from_file(root / "token")
     ca_path = root / "ca.crt"
@@ -219,8 +225,11 @@ def load_in_cluster(
         base_url=base_url,
         verify=context,
         token_source=tokens,
-        description=f"in-cluster service account (server {base_url}, {tokens.description})",
+        description=(
+            f"in-cluster service account (server {base_url}{proxy_note}, {tokens.description})"
+        ),
         default_namespace=namespace,
+        proxy=proxy,
     )
 
 
@@ -252,7 +261,7 @@ def load_kubeconfig(
                 f"no kubeconfig: KUBECONFIG is not set and {home_config} is missing"
             )
         files = [home_config]
-    return _connect(_merge([_parse_file(f) for f in files]), context)
+    return _connect(_merge([_parse_file(f) for f in files]), context, environ)
 
 
 def discover(
@@ -418,7 +427,7 @@ def _merge(configs: list[_Config]) -> _Config:
     return merged
 
 
-def _connect(cfg: _Config, context_name: str | None) -> KubeConnection:
+def _connect(cfg: _Config, context_name: str | None, environ: Mapping[str, str]) -> KubeConnection:
     shown = os.pathsep.join(str(s) for s in cfg.sources)
     if context_name is None:
         context_name = cfg.current_context
@@ -463,7 +472,7 @@ def _connect(cfg: _Config, context_name: str | None) -> KubeConnection:
             tls.context,
             partial(_exec_cluster, cluster, cluster_where, tls, proxy),
         )
-    proxy_note = f", via proxy {_redact_url(proxy)}" if proxy else ""
+    proxy, proxy_note = _proxy_choice(proxy, base_url, environ)
 
     return KubeConnection(
         base_url=base_url,
@@ -576,6 +585,22 @@ def _proxy_url(cluster: _Entry, where: str) -> str | None:
     except ValueError:
         raise KubeConfigError(f"{where}: proxy-url has an invalid port") from None
     return raw.strip()
+
+
+def _proxy_choice(
+    explicit: str | None, base_url: str, environ: Mapping[str, str]
+) -> tuple[str | None, str]:
+    """The proxy for `base_url` (the cluster's ``proxy-url``, else the environment's)
+    and the words that say so in a connection's description."""
+    if explicit is not None:
+        return explicit, f", via proxy {_redact_url(explicit)}"
+    try:
+        found = proxy_for(base_url, environ)
+    except ProxyConfigError as error:
+        raise KubeConfigError(str(error)) from None
+    if found is None:
+        return None, ""
+    return found.url, f", via proxy {_redact_url(found.url)} ({found.variable})"
 
 
 def _redact_url(url: str) -> str:

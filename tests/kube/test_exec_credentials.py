@@ -3,8 +3,8 @@
 The plugin is a real program (tests/kube/fake_credential_plugin.py, run with
 this interpreter) that answers from a plan the test writes and logs every run;
 it serves tokens and client certificates to the Kubernetes API emulator over
-127.0.0.1, directly or through a small HTTP proxy written here (CONNECT for
-https, absolute-URI forwarding for http). Caching by expiry runs in virtual
+127.0.0.1, directly or through the tests' HTTP proxy (tests/support/proxy.py:
+CONNECT for https, absolute-URI forwarding for http). Caching by expiry runs in virtual
 time with a frozen `mock_clock` (the plugin process takes real time, which a
 frozen clock does not count), and so does the plugin timeout, jumped by hand.
 """
@@ -16,8 +16,6 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +34,7 @@ from jobsignal.kube.exec_plugin import ExecCredentialError
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from tests.support.cluster import Cluster, write_kubeconfig
+from tests.support.proxy import open_proxy
 from tests.support.tls import b64, server_context, trusting
 from tests.support.waiting import wait_until
 from tests.support.watching import open_source
@@ -664,96 +663,6 @@ async def test_watcher_with_exec_client_certificate(
 
 
 # -- proxy-url ---------------------------------------------------------------------------
-
-
-@dataclass
-class HttpProxy:
-    """An HTTP proxy for 127.0.0.1 targets that records what it carries.
-
-    CONNECT opens a tunnel (https); any other method must use an absolute URI
-    and is forwarded with ``Connection: close``, so each request crosses on a
-    connection of its own and is recorded.
-    """
-
-    port: int = 0
-    tunnels: list[str] = field(default_factory=list)
-    forwarded: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
-
-    async def handle(self, client: trio.SocketStream) -> None:
-        async with client:
-            head, rest = await _read_head(client)
-            if head is None:
-                return
-            request_line, *lines = head.decode("latin-1").split("\r\n")
-            method, target, version = request_line.split(" ")
-            headers = {
-                name.strip().lower(): value.strip()
-                for name, value in (line.split(":", 1) for line in lines if line)
-            }
-            if method == "CONNECT":
-                host, port = target.rsplit(":", 1)
-                assert host == "127.0.0.1"
-                self.tunnels.append(target)
-                upstream = await trio.open_tcp_stream(host, int(port))
-                await client.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                first = rest
-            else:
-                url = urlsplit(target)
-                assert url.scheme == "http" and url.hostname == "127.0.0.1", target
-                assert url.port is not None
-                self.forwarded.append((method, target, headers))
-                upstream = await trio.open_tcp_stream(url.hostname, url.port)
-                path = url.path + (f"?{url.query}" if url.query else "")
-                kept = [
-                    f"{name}: {value}"
-                    for name, value in headers.items()
-                    if name not in ("connection", "proxy-connection", "proxy-authorization")
-                ]
-                first = (
-                    "\r\n".join([f"{method} {path} {version}", *kept, "Connection: close"])
-                    + "\r\n\r\n"
-                ).encode("latin-1") + rest
-            async with upstream:
-                if first:
-                    await upstream.send_all(first)
-                await _splice(client, upstream)
-
-
-async def _read_head(stream: trio.SocketStream) -> tuple[bytes | None, bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = await stream.receive_some(65536)
-        if not chunk or len(data) > 65536:
-            return None, b""
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    return head, rest
-
-
-async def _splice(a: trio.SocketStream, b: trio.SocketStream) -> None:
-    """Copy both ways until either side closes."""
-
-    async def copy(source: trio.SocketStream, sink: trio.SocketStream) -> None:
-        try:
-            while chunk := await source.receive_some(65536):
-                await sink.send_all(chunk)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        nursery.cancel_scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(copy, a, b)
-        nursery.start_soon(copy, b, a)
-
-
-@asynccontextmanager
-async def open_proxy() -> AsyncIterator[HttpProxy]:
-    proxy = HttpProxy()
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, proxy.handle, 0, host="127.0.0.1"))
-        proxy.port = listeners[0].socket.getsockname()[1]
-        yield proxy
-        nursery.cancel_scope.cancel()
 
 
 def watched(emu: KubeEmulator) -> list[str]:

@@ -6,6 +6,8 @@ rejected with its reason (the job's last good state stands), rejections are
 logged rate-limited, and every frame a subscriber gets encodes valid UTF-8
 with a strict-JSON rank table. Unexpected errors while applying or encoding
 one event cost only that event. A large LIST is applied with checkpoints.
+Every watcher test runs straight to the emulator and through a CONNECT proxy
+of the tests' own (`WatchPath`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import dataclasses
 import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,13 +32,21 @@ from jobsignal.fanout import Broadcaster, StreamKind
 from jobsignal.kube import documents
 from jobsignal.kube import watcher as watcher_module
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
-from jobsignal.sim.emulator import KubeEmulator, RawJson, open_emulator
+from jobsignal.sim.emulator import KubeEmulator, RawJson
 from jobsignal.store import JobStore, JobSummary
 from jobsignal.store.jobs import Changes
 from tests.support.cluster import Cluster, expected_summary
 from tests.support.factories import clusterd_job
 from tests.support.waiting import wait_until
-from tests.support.watching import WatchHarness, open_watcher
+from tests.support.watching import WatchHarness, WatchPath
+
+
+@pytest.fixture(params=["direct", "proxy"])
+def watch_path(request: pytest.FixtureRequest) -> Iterator[WatchPath]:
+    """Each watcher test straight to the emulator and through a CONNECT proxy."""
+    path = WatchPath(request.param)
+    yield path
+    path.check_carried()
 
 
 def strict_loads(text: str) -> Any:
@@ -101,10 +111,10 @@ def assert_frames_deliverable(events: list[Any]) -> None:
 
 
 async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
-    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, watch_path: WatchPath
 ) -> None:
     caplog.set_level(logging.WARNING, logger="jobsignal.kube.watcher")
-    async with open_emulator() as emu:
+    async with watch_path.emulator() as emu:
         cluster = Cluster(emu.state)
         good, split = (
             clusterd_job("good"),
@@ -113,7 +123,7 @@ async def test_poison_in_the_initial_list_and_the_watch_never_stops_the_watcher(
         cluster.write(good, "running")
         cluster.write(split, "running")
         listed_reasons = write_poison(emu, "listed")
-        async with open_watcher(emu) as harness:
+        async with watch_path.watcher(emu) as harness:
             with trio.fail_after(10):
                 await harness.status.ready.wait()  # the poison did not stop start-up
             await harness.caught_up(cluster)
@@ -164,17 +174,17 @@ def deep_managed_fields(depth: int) -> RawJson:
 
 
 async def test_managed_fields_too_deep_for_json_cost_no_job_its_state(
-    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, watch_path: WatchPath
 ) -> None:
     # Deeper than Python's json decodes on any version (about 1,000 to 10,000).
     deep = deep_managed_fields(20_000)
     caplog.set_level(logging.WARNING, logger="jobsignal.kube")
-    async with open_emulator() as emu:
+    async with watch_path.emulator() as emu:
         cluster = Cluster(emu.state)
         listed, watched, plain = clusterd_job("listed"), clusterd_job("watched"), clusterd_job("b")
         cluster.write(listed, "running", managed_fields=deep)
         cluster.write(plain, "running")
-        async with open_watcher(emu) as harness:
+        async with watch_path.watcher(emu) as harness:
             with trio.fail_after(10):
                 await harness.status.ready.wait()
             await harness.caught_up(cluster)
@@ -195,14 +205,14 @@ async def test_managed_fields_too_deep_for_json_cost_no_job_its_state(
 
 
 async def test_rejection_logs_are_rate_limited_per_reason(
-    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    io_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, watch_path: WatchPath
 ) -> None:
     caplog.set_level(logging.WARNING, logger="jobsignal.kube.watcher")
-    async with open_emulator() as emu:
+    async with watch_path.emulator() as emu:
         for index in range(40):
             name, data = clusterd_job(f"nan-{index}").configmaps("running")[0]
             create(emu, name, {**data, "hccl.json": "NaN"})
-        async with open_watcher(emu) as harness:
+        async with watch_path.watcher(emu) as harness:
             with trio.fail_after(10):
                 await harness.status.ready.wait()
             assert harness.store.rejected_total == {"hccl_json_not_strict": 40}
@@ -216,14 +226,16 @@ async def test_rejection_logs_are_rate_limited_per_reason(
 
 
 @asynccontextmanager
-async def cursed_then_a_runs() -> AsyncIterator[tuple[WatchHarness, Cluster, ClusterdJob]]:
+async def cursed_then_a_runs(
+    watch_path: WatchPath,
+) -> AsyncIterator[tuple[WatchHarness, Cluster, ClusterdJob]]:
     """A watcher caught up with job "a" pending; then job "cursed" is written
     running, and "a" made running."""
-    async with open_emulator() as emu:
+    async with watch_path.emulator() as emu:
         cluster = Cluster(emu.state)
         a = clusterd_job("a")
         cluster.write(a, "pending")
-        async with open_watcher(emu) as harness:
+        async with watch_path.watcher(emu) as harness:
             await harness.caught_up(cluster)
             cluster.write(clusterd_job("cursed"), "running")
             cluster.write(a, "running")
@@ -234,6 +246,7 @@ async def test_unexpected_error_applying_one_event_skips_only_that_event(
     io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    watch_path: WatchPath,
 ) -> None:
     real_apply = JobStore.apply
 
@@ -243,7 +256,7 @@ async def test_unexpected_error_applying_one_event_skips_only_that_event(
         return real_apply(self, kind, obj, now)
 
     monkeypatch.setattr(JobStore, "apply", apply)
-    async with cursed_then_a_runs() as (harness, _, a):
+    async with cursed_then_a_runs(watch_path) as (harness, _, a):
         await wait_until(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
         assert harness.watcher.counters.apply_errors == 1
         assert harness.watcher.counters.watches == 1  # the watch went on
@@ -254,6 +267,7 @@ async def test_an_unforeseen_error_of_the_api_layer_costs_a_relist_not_the_watch
     io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    watch_path: WatchPath,
 ) -> None:
     real_loads = documents.loads
     failures = [KeyError("a bug in the WATCH decoding"), KeyError("and again in the LIST")]
@@ -265,7 +279,7 @@ async def test_an_unforeseen_error_of_the_api_layer_costs_a_relist_not_the_watch
         return real_loads(data)
 
     monkeypatch.setattr(documents, "loads", loads)
-    async with cursed_then_a_runs() as (harness, cluster, a):
+    async with cursed_then_a_runs(watch_path) as (harness, cluster, a):
         # The watch event fails, then the relist: a backoff after each.
         await harness.caught_up(cluster, timeout=60)
         counters = harness.watcher.counters
@@ -284,6 +298,7 @@ async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_fail
     io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    watch_path: WatchPath,
 ) -> None:
     real_parse = configmap_module.parse_slice
 
@@ -293,11 +308,11 @@ async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_fail
         return real_parse(obj, previous)
 
     monkeypatch.setattr("jobsignal.store.jobs.parse_slice", parse)
-    async with open_emulator() as emu:
+    async with watch_path.emulator() as emu:
         a = clusterd_job("a")
         create(emu, *a.configmaps("running")[0])
         create(emu, *clusterd_job("cursed").configmaps("running")[0])
-        async with open_watcher(emu) as harness:
+        async with watch_path.watcher(emu) as harness:
             with trio.fail_after(10):
                 await harness.status.ready.wait()
             running = expected_summary(a, "running")
@@ -312,6 +327,7 @@ async def test_parser_bug_rejects_one_configmap_and_is_logged_with_where_it_fail
 async def test_unencodable_event_is_dropped_and_the_watcher_goes_on(
     io_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
+    watch_path: WatchPath,
 ) -> None:
     # The store never emits such an event now; inject a failing encoder to
     # check the last line of defence behind it.
@@ -323,7 +339,7 @@ async def test_unencodable_event_is_dropped_and_the_watcher_goes_on(
         return real_encode(job, uuid, strip_rank_table=strip_rank_table)
 
     monkeypatch.setattr("jobsignal.fanout.broadcaster.encode_signal", encode)
-    async with cursed_then_a_runs() as (harness, _, a):
+    async with cursed_then_a_runs(watch_path) as (harness, _, a):
         await wait_until(lambda: harness.log.jobs()[-1] == expected_summary(a, "running"))
         stats = harness.broadcaster.stats
         assert stats.events_dropped == {"publish": 1}
@@ -368,7 +384,7 @@ async def test_broadcaster_drops_an_unencodable_event_in_publish_and_in_snapshot
 
 
 async def test_a_large_list_is_applied_with_checkpoints(
-    io_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    io_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, watch_path: WatchPath
 ) -> None:
     """No more than about PARSE_SLICE characters parsed, COMMIT_SLICE ConfigMaps
     stored, nor SETTLE_SLICE slices settled, without letting another task run."""
@@ -402,14 +418,14 @@ async def test_a_large_list_is_applied_with_checkpoints(
             await trio.lowlevel.checkpoint()
             ticks += 1
 
-    async with open_emulator() as emu:
+    async with watch_path.emulator() as emu:
         jobs = [clusterd_job(f"j{i}", servers=4) for i in range(2500)]
         for each in jobs:
             create(emu, *each.configmaps("running")[0])
         table_chars = len(jobs[0].configmaps("running")[0][1]["hccl.json"])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ticker)
-            async with open_watcher(emu) as harness:
+            async with watch_path.watcher(emu) as harness:
                 with trio.fail_after(30):
                     await harness.status.ready.wait()
                 nursery.cancel_scope.cancel()

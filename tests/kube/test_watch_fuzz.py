@@ -9,7 +9,10 @@ the same few ConfigMaps. What must hold whatever the API server sent:
   that kube/api.py translates), no event fails to apply;
 - once the server is honest, the store holds exactly what it lists.
 
-Virtual time (`io_clock`); a failure names its seed.
+Each seed runs twice: straight to the server over plain HTTP, and over TLS
+through a CONNECT proxy of the tests' own (tests/support/proxy.py), the path
+a cluster behind a proxy takes. Virtual time (`io_clock`); a failure names
+its seed and path.
 """
 
 from __future__ import annotations
@@ -22,16 +25,19 @@ import httpx
 import pytest
 import trio
 import trio.testing
+import trustme
 
 from jobsignal.fanout import Broadcaster
-from jobsignal.kube.api import KubeApi
-from jobsignal.kube.transport import DirectTransport
+from jobsignal.kube.api import KubeApi, open_kube_client
+from jobsignal.kube.credentials import KubeConnection
 from jobsignal.kube.watcher import Watcher, WatchSettings
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 from tests.support.cluster import expected_summary
 from tests.support.factories import clusterd_job
 from tests.support.kube_fuzz import ResponseMaker, listed_configmap
+from tests.support.proxy import open_proxy
+from tests.support.tls import client_context, server_context
 from tests.support.waiting import wait_until
 from tests.support.watching import WALL
 
@@ -50,7 +56,7 @@ class FuzzedApiServer:
         self.hostile = hostile
         self.honest_lists = 0
 
-    async def serve(self, stream: trio.SocketStream) -> None:
+    async def serve(self, stream: trio.abc.Stream) -> None:
         try:
             pending = b""
             while True:
@@ -68,7 +74,7 @@ class FuzzedApiServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _answer(self, stream: trio.SocketStream, target: bytes) -> bool:
+    async def _answer(self, stream: trio.abc.Stream, target: bytes) -> bool:
         watch = b"watch=1" in target
         if self.hostile <= 0:
             await self._honest(stream, target, watch)
@@ -80,7 +86,7 @@ class FuzzedApiServer:
             await stream.send_all(part)
         return answer.keep_alive
 
-    async def _honest(self, stream: trio.SocketStream, target: bytes, watch: bool) -> None:
+    async def _honest(self, stream: trio.abc.Stream, target: bytes, watch: bool) -> None:
         if not watch:
             self.honest_lists += 1
             items = [
@@ -112,24 +118,37 @@ class FuzzedApiServer:
             await trio.sleep(30)
 
 
+@pytest.mark.parametrize("path", ["direct", "proxy"])
 @pytest.mark.parametrize("seed", range(1, 6))
 async def test_whatever_the_api_server_sends_the_watcher_goes_on_and_recovers(
-    io_clock: trio.testing.MockClock, seed: int
+    io_clock: trio.testing.MockClock, ca: trustme.CA, seed: int, path: str
 ) -> None:
     server = FuzzedApiServer(seed, HOSTILE_ANSWERS)
     store, status = JobStore(), SourceStatus()
     # No backoff: each of its sleeps would cost io_clock a jump in real time.
     settings = WatchSettings(label_selector="a=b", backoff_initial=0.0, backoff_max=0.0)
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, server.serve, 0, host="127.0.0.1")
+    proxied = path == "proxy"
+    async with trio.open_nursery() as nursery, open_proxy() as proxy:
+        if proxied:
+            tls = server_context(ca, client_certs=False)
+            listeners = await nursery.start(
+                functools.partial(trio.serve_ssl_over_tcp, server.serve, 0, tls, host="127.0.0.1")
+            )
+        else:
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, server.serve, 0, host="127.0.0.1")
+            )
+        socket = getattr(listeners[0], "transport_listener", listeners[0]).socket
+        port = socket.getsockname()[1]
+        connection = KubeConnection(
+            base_url=f"{'https' if proxied else 'http'}://127.0.0.1:{port}",
+            verify=client_context(ca, with_cert=False) if proxied else None,
+            token_source=None,
+            description="the fuzzed API server",
+            default_namespace=None,
+            proxy=proxy.url if proxied else None,
         )
-        port = listeners[0].socket.getsockname()[1]
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}",
-            timeout=httpx.Timeout(10.0),
-            transport=DirectTransport(None),
-        ) as client:
+        async with open_kube_client(connection, timeout=httpx.Timeout(10.0)) as client:
             api = KubeApi(client, None, read_timeout=60.0)
             watcher = Watcher(
                 api,
@@ -139,8 +158,9 @@ async def test_whatever_the_api_server_sends_the_watcher_goes_on_and_recovers(
                 settings,
                 wall_clock=lambda: WALL,
             )
+            what = f"seed {seed} {path}"
             await nursery.start(watcher.run)
-            await wait_until(lambda: server.honest_lists > 0, within=3600, what=f"seed {seed}")
+            await wait_until(lambda: server.honest_lists > 0, within=3600, what=what)
             expected = {
                 expected_summary(job, "running").key: expected_summary(job, "running")
                 for job in HONEST_JOBS
@@ -148,10 +168,12 @@ async def test_whatever_the_api_server_sends_the_watcher_goes_on_and_recovers(
             await wait_until(
                 lambda: {job.key: job for job in store.live_jobs()} == expected,
                 within=60,
-                what=f"seed {seed}: the store to hold the honest LIST",
+                what=f"{what}: the store to hold the honest LIST",
             )
             counters = watcher.counters
-            assert counters.apply_errors == 0, seed
+            assert counters.apply_errors == 0, what
             # The hostile answers were seen as such, not all lost to one kind of fault.
-            assert counters.errors > HOSTILE_ANSWERS // 4 and counters.events > 0, seed
+            assert counters.errors > HOSTILE_ANSWERS // 4 and counters.events > 0, what
+            # Every request of the proxied run went through the proxy's tunnels.
+            assert bool(proxy.tunnels) == proxied, what
             nursery.cancel_scope.cancel()

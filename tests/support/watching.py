@@ -3,33 +3,38 @@
 `SignalLog` subscribes to a Broadcaster before the watcher starts and decodes
 every frame, so tests see exactly what a gRPC client would get;
 `open_watcher` runs a Watcher (docs/architecture.md section 5) on an emulator
-and records every request it sends; `open_source` runs the source as
+(directly, or through a proxy) and records every request it sends; `open_source` runs the source as
 `jobsignal serve --kubeconfig` does (`run_source` on a kubeconfig's connection).
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
+import trustme
 
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.app import choose_connection, run_source
 from jobsignal.config import load_config
 from jobsignal.fanout import Broadcaster, StreamKind
-from jobsignal.kube.api import MAX_LIST_PAGE_BYTES, KubeApi, TokenProvider
-from jobsignal.kube.transport import DirectTransport
+from jobsignal.kube.api import MAX_LIST_PAGE_BYTES, KubeApi, TokenProvider, open_kube_client
+from jobsignal.kube.credentials import KubeConnection
 from jobsignal.kube.watcher import Credentials, Watcher, WatchSettings
-from jobsignal.sim.emulator import KubeEmulator
+from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobKey, JobStore, JobSummary
 
 from .cluster import Cluster
 from .events import Event, event_of, live_state
+from .proxy import HttpProxy, open_proxy
+from .tls import client_context, server_context
 from .waiting import wait_until
 
 #: The watcher's wall clock in the watcher tests: the deleteTime it stamps on
@@ -102,9 +107,13 @@ async def open_watcher(
     rng: Callable[[], float] = lambda: 0.5,
     on_response: Callable[[httpx.Response], None] | None = None,
     on_publish: Callable[[Sequence[JobSummary]], None] | None = None,
+    proxy: str | None = None,
+    verify: ssl.SSLContext | None = None,
 ) -> AsyncIterator[WatchHarness]:
     """A Watcher on `emu` over real HTTP, observed through a Broadcaster subscriber;
-    `on_publish` sees every batch of job events the watcher publishes, first."""
+    `on_publish` sees every batch of job events the watcher publishes, first.
+    The client is `open_kube_client`'s, through `proxy` if given (`verify`: the
+    SSLContext for an https emulator)."""
     settings = WatchSettings() if settings is None else settings
     store, status = JobStore(), SourceStatus()
     broadcaster = Broadcaster(jobs=store)
@@ -127,16 +136,19 @@ async def open_watcher(
 
     raised: BaseException | None = None
     timeout = httpx.Timeout(10.0, read=read_timeout + 5)
+    connection = KubeConnection(
+        base_url=emu.url,
+        verify=verify,
+        token_source=None,
+        description="the test's emulator",
+        default_namespace=None,
+        proxy=proxy,
+    )
     async with (
-        httpx.AsyncClient(
-            base_url=emu.url,
-            timeout=timeout,
-            # As `open_kube_client` builds it for a plain-http server reached directly.
-            transport=DirectTransport(None),
-            event_hooks={"request": [record_request], "response": [record_response]},
-        ) as client,
+        open_kube_client(connection, timeout=timeout) as client,
         trio.open_nursery() as nursery,
     ):
+        client.event_hooks = {"request": [record_request], "response": [record_response]}
         api = KubeApi(client, tokens, read_timeout=read_timeout, max_page_bytes=max_page_bytes)
         watcher = Watcher(
             api,
@@ -161,6 +173,44 @@ async def open_watcher(
             nursery.cancel_scope.cancel()
     if raised is not None:
         raise raised
+
+
+@dataclass
+class WatchPath:
+    """How a test's watcher reaches its emulator: "direct" (plain HTTP) or
+    "proxy" (TLS through a CONNECT proxy of the tests' own, as a cluster behind
+    a proxy is reached)."""
+
+    name: str
+    ca: trustme.CA = field(default_factory=trustme.CA)
+    #: The proxy of a "proxy" path, once `emulator` has opened it.
+    proxy: HttpProxy | None = None
+
+    @asynccontextmanager
+    async def emulator(self, **options: Any) -> AsyncIterator[KubeEmulator]:
+        """`open_emulator(**options)`, over TLS on the proxy path (and the proxy with it)."""
+        if self.name == "direct":
+            async with open_emulator(**options) as emu:
+                yield emu
+            return
+        tls = server_context(self.ca, client_certs=False)
+        async with open_proxy() as proxy, open_emulator(ssl_context=tls, **options) as emu:
+            self.proxy = proxy
+            yield emu
+
+    def watcher(
+        self, emu: KubeEmulator, **options: Any
+    ) -> AbstractAsyncContextManager[WatchHarness]:
+        """`open_watcher(emu, **options)`, through the proxy on the proxy path."""
+        if self.proxy is None:
+            return open_watcher(emu, **options)
+        verify = client_context(self.ca, with_cert=False)
+        return open_watcher(emu, proxy=self.proxy.url, verify=verify, **options)
+
+    def check_carried(self) -> None:
+        """On the proxy path, that the proxy carried the watcher's requests."""
+        if self.proxy is not None:
+            assert self.proxy.tunnels, "no request went through the proxy"
 
 
 @dataclass
