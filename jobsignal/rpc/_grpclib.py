@@ -48,7 +48,7 @@ import collections
 import contextlib
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import grpclib
 import grpclib.server
@@ -67,12 +67,11 @@ from h2.events import (
     WindowUpdated,
 )
 from h2.exceptions import StreamClosedError
-from h2.settings import ChangedSetting, SettingCodes, Settings
+from h2.settings import SettingCodes
 from h2.stream import H2Stream, StreamInputs, StreamState
 
 from jobsignal.config import cannot_listen
 from jobsignal.rpc.codec import MESSAGE_PREFIX, PassthroughCodec, truncated_request
-from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
 
 PINNED_GRPCLIB = "0.4.9"
 
@@ -172,9 +171,9 @@ def advertise_stream_limit(h2_connection: H2Connection, advertised: int, enforce
     lost); the server refuses the streams in between one by one instead."""
     h2_connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: advertised})
     # The acknowledgement would make `advertised` h2's own limit: keep `enforced`.
-    h2_connection.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = SmallDeque(
+    h2_connection.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = collections.deque(
         [enforced]
-    )  # type: ignore[assignment]
+    )
 
 
 def keep_encoder_table_empty(h2_connection: H2Connection) -> None:
@@ -191,144 +190,6 @@ def keep_encoder_table_empty(h2_connection: H2Connection) -> None:
     it read that SETTINGS frame, which h2 then refuses.
     """
     h2_connection.encoder.header_table_size = 0
-
-
-# -- lighter containers (rpc.lean) ---------------------------------------------------------------
-
-
-# Settled values held as shared 1-tuples, one per value, up to this many values
-# (a peer chooses them: past the bound, a connection holds its own tuple).
-_MAX_SHARED_SETTINGS = 1024
-_shared_settings: dict[int | None, tuple[int | None]] = {}
-
-
-def _settled(value: int | None) -> tuple[int | None]:
-    shared = _shared_settings.get(value)
-    if shared is None:
-        shared = (value,)
-        if len(_shared_settings) < _MAX_SHARED_SETTINGS:
-            _shared_settings[value] = shared
-    return shared
-
-
-class LeanSettings(Settings):
-    """h2's `Settings` holding each settled value in a 1-tuple shared by every
-    connection, not in a deque of its own (about 1 KB per connection: a dozen
-    settings of each peer, nearly all at the same few values).
-
-    h2 keeps, per setting, the current value followed by the values not yet
-    acknowledged. It reads `[0]` (which a tuple answers), appends a new value
-    (`__setitem__`: the setting gets a `SmallDeque` of its own first), and on
-    an acknowledgement `popleft`s where `len()` is above one, after which the
-    setting is settled again. `lighten_settings` switches a `Settings` to
-    this class.
-    """
-
-    def __setitem__(self, key: SettingCodes | int, value: int) -> None:
-        held: dict[Any, Any] = self._settings
-        values = held.get(key)
-        if values is not None and type(values) is not SmallDeque:
-            held[key] = SmallDeque(values)
-        super().__setitem__(key, value)
-
-    def acknowledge(self) -> dict[SettingCodes | int, ChangedSetting]:
-        changed = super().acknowledge()
-        self.settle()
-        return changed
-
-    def settle(self) -> None:
-        held: dict[Any, Any] = self._settings
-        for code, values in held.items():
-            if len(values) == 1 and type(values) is not tuple:
-                held[code] = _settled(values[0])
-
-
-def lighten_settings(h2_connection: H2Connection) -> None:
-    """Both peers' settings as `LeanSettings`, their settled values shared.
-
-    A peer's SETTINGS frame is applied (and so settled) when it is received;
-    the server's own settle when the peer acknowledges them.
-    """
-    for settings in (h2_connection.local_settings, h2_connection.remote_settings):
-        light: Any = settings
-        if type(settings) is Settings:
-            light.__class__ = LeanSettings
-        light.settle()
-
-
-def lighten_header_tables(h2_connection: H2Connection) -> None:
-    """HPACK's dynamic tables (the encoder's and the decoder's) as `NewestFirst`.
-
-    hpack adds an entry with `appendleft`, evicts with `pop`, looks entries up
-    by index and by iterating, and `clear`s the table when it shrinks to nothing.
-    """
-    for coder in (h2_connection.encoder, h2_connection.decoder):
-        table: Any = coder.header_table
-        table.dynamic_entries = NewestFirst(table.dynamic_entries)
-
-
-def lighten_dispatch_tables(h2_connection: H2Connection, processor: EventsProcessor) -> None:
-    """h2's frame handlers and grpclib's event processors as `MethodTable`s.
-
-    h2 looks a received frame's class up in `_frame_dispatch_table` (and
-    grpclib deletes the table when the connection closes); grpclib looks an
-    event's class up in `processors` (a KeyError there is an unknown event),
-    `set_event_handler` replaces entries, and grpclib deletes it on close.
-    """
-    light: Any = h2_connection
-    light._frame_dispatch_table = MethodTable(h2_connection, h2_connection._frame_dispatch_table)
-    events: Any = processor
-    events.processors = MethodTable(processor, events.processors)
-
-
-def _lighten_event(event: asyncio.Event) -> None:
-    # Event appends its waiters' futures, removes them and iterates over them.
-    light: Any = event
-    light._waiters = SmallDeque(event._waiters)
-
-
-def _lighten_queue(queue: asyncio.Queue[Any]) -> None:
-    # Queue appends, `popleft`s and removes waiters; its items are appended and
-    # `popleft`ed, counted and iterated (repr). Its `_finished` is an Event.
-    light: Any = queue
-    light._getters = SmallDeque(light._getters)
-    light._putters = SmallDeque(light._putters)
-    light._queue = Fifo(light._queue)
-    _lighten_event(light._finished)
-
-
-def lighten_connection(connection: Connection) -> None:
-    """grpclib's per-connection Events (`write_ready`, `stream_close_waiter`)
-    with light waiter lists."""
-    _lighten_event(connection.write_ready)
-    _lighten_event(connection.stream_close_waiter)
-
-
-def lighten_transport(transport: asyncio.BaseTransport) -> None:
-    """The socket transport's write buffer as a `Fifo`, where it is a deque (3.12
-    and later; 3.11's is a bytearray; a TLS transport's is left as it is).
-
-    asyncio appends and extends it, `popleft`s what `sendmsg` took and
-    `appendleft`s the rest of a partly sent chunk, iterates it (`islice`, and
-    for its size), tests it and clears it.
-    """
-    light: Any = transport
-    if type(getattr(light, "_buffer", None)) is collections.deque:
-        light._buffer = Fifo(light._buffer)
-
-
-def lighten_stream(stream: ProtocolStream) -> None:
-    """A new grpclib stream's Events, receive queue and chunk buffer, made light.
-
-    The stream's `Buffer` puts every DATA frame into an asyncio.Queue, moves
-    what it reads into a deque of chunks (append, `[0]` read and replaced,
-    `popleft`); a peer can send many tiny frames, so both become `Fifo`s.
-    """
-    for event in (stream.window_updated, stream.headers_received, stream.trailers_received):
-        _lighten_event(event)
-    buffer: Any = stream.buffer
-    _lighten_queue(buffer._unacked)
-    buffer._acked = Fifo(buffer._acked)
 
 
 class _CheckedStream(ProtocolStream):
@@ -385,15 +246,18 @@ class _CheckedStream(ProtocolStream):
         return data
 
 
-def check_reads(stream: ProtocolStream, codec: PassthroughCodec, encoding: str | None) -> None:
-    """Make a new grpclib stream a `_CheckedStream` reading for `codec` a request sent
-    with `encoding` (its grpc-encoding header). The same object, the same layout:
-    only the class changes, and attributes are added."""
-    stream.__class__ = _CheckedStream
-    checked = cast(_CheckedStream, stream)
-    checked.request_codec = codec
-    if encoding is not None:
-        checked.request_encoding = encoding
+def _checked_stream(
+    connection: Connection, stream_id: int, codec: PassthroughCodec, encoding: str | None
+) -> _CheckedStream:
+    """A new grpclib stream for a request, reading for `codec` a request sent with
+    `encoding` (its grpc-encoding header): what grpclib's `Connection.create_stream`
+    makes, as a `_CheckedStream`."""
+    stream = _CheckedStream(
+        connection, connection._connection, connection._transport, stream_id=stream_id
+    )
+    stream.request_codec = codec
+    stream.request_encoding = encoding
+    return stream
 
 
 def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) -> None:
@@ -765,10 +629,9 @@ def accept_request(processor: EventsProcessor, event: RequestReceived) -> None:
     starts, so that `finally` never runs and the stream stayed in the
     processor forever. Here the release also runs when the task is done, once.
     """
-    stream = processor.connection.create_stream(stream_id=event.stream_id)
-    lighten_stream(stream)
     handler: Any = processor.handler  # grpclib's server Handler
-    check_reads(stream, handler.codec, request_encoding(event.headers))
+    encoding = request_encoding(event.headers)
+    stream = _checked_stream(processor.connection, event.stream_id, handler.codec, encoding)
     release = _ReleaseOnce(processor.register(stream), handler, stream)
     handler.accept(stream, event.headers, release)
     task: asyncio.Task[None] | None = getattr(handler, "_tasks", {}).get(stream)

@@ -239,10 +239,7 @@ class ObservedH2Protocol(H2Protocol):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        _grpclib.lighten_connection(self.connection)
-        _grpclib.lighten_transport(transport)
         self._h2 = _grpclib.h2_connection_of(self)
-        _grpclib.lighten_dispatch_tables(self._h2, self.processor)
         self._transport = transport
         self._table.opened(self)
         if self._table.closing:
@@ -267,8 +264,6 @@ class ObservedH2Protocol(H2Protocol):
         self._keepalive_timer = loop.call_later(table.keepalive.interval, self._check_liveness)
         advertised = self._table.limits.max_streams_per_connection
         _grpclib.advertise_stream_limit(self._h2, advertised, hard_stream_limit(advertised))
-        _grpclib.lighten_settings(self._h2)
-        _grpclib.lighten_header_tables(self._h2)
         _grpclib.keep_encoder_table_empty(self._h2)
         activity, budget = self.activity, self.budget
 

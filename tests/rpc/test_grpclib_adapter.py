@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
-import socket
-import sys
 import types
 from typing import Any, cast
 
@@ -25,10 +22,8 @@ from h2.events import (
     DataReceived,
     PingAckReceived,
     PingReceived,
-    RemoteSettingsChanged,
     RequestReceived,
     ResponseReceived,
-    SettingsAcknowledged,
     WindowUpdated,
 )
 from h2.events import Event as H2Event
@@ -39,7 +34,10 @@ from hypothesis import strategies as st
 
 import jobsignal.rpc  # noqa: F401  (importing jobsignal.rpc installs the adapter)
 from jobsignal.rpc import _grpclib
-from jobsignal.rpc.lean import Fifo, MethodTable, NewestFirst, SmallDeque
+from tests.support.grpc_server import open_jobsignal_server
+from tests.support.grpcio import GrpcioClients, GrpcioStream
+from tests.support.threads import in_thread
+from tests.support.waiting import wait_until
 
 
 def test_grpclib_looks_up_the_current_task_through_trio_asyncio() -> None:
@@ -92,11 +90,7 @@ async def test_every_grpclib_internal_the_adapter_uses_exists() -> None:
         assert hasattr(connection, name), f"H2Connection.{name}"
 
 
-# -- lighter containers: each replaced attribute, its type before, behaviour after -------------
-
-
-# A setting id no peer sent before (hyperframe writes ids as one byte).
-UNKNOWN_SETTING = 0x10
+# -- the advertised stream limit ---------------------------------------------------------------
 
 
 def h2_pair() -> tuple[H2Connection, H2Connection]:
@@ -111,75 +105,9 @@ def h2_pair() -> tuple[H2Connection, H2Connection]:
     return server, client
 
 
-def settings_containers(h2_connection: H2Connection) -> list[object]:
-    return [
-        *h2_connection.local_settings._settings.values(),
-        *h2_connection.remote_settings._settings.values(),
-    ]
-
-
-def settled_and_shared(h2_connection: H2Connection) -> bool:
-    """Every setting of both peers settled, in a 1-tuple shared between connections."""
-    return all(
-        type(held) is tuple and held is _grpclib._settled(held[0])
-        for held in settings_containers(h2_connection)
-    )
-
-
-def test_h2_settings_acknowledgement_works_on_lean_settings() -> None:
-    server, client = h2_pair()
-    assert all(type(held) is collections.deque for held in settings_containers(server))
-    _grpclib.lighten_settings(server)
-    assert type(server.local_settings) is _grpclib.LeanSettings
-    assert settled_and_shared(server)
-    other, _ = h2_pair()  # another connection holds the very same values
-    _grpclib.lighten_settings(other)
-    code = SettingCodes.INITIAL_WINDOW_SIZE
-    assert other.local_settings._settings[code] is server.local_settings._settings[code]
-    default = server.local_settings.initial_window_size
-    # Changed twice before the peer acknowledges: each ACK applies one change, in order.
-    server.update_settings({code: 1000})
-    server.update_settings({code: 2000})
-    assert kind(server.local_settings._settings[code]) is SmallDeque  # its own now
-    assert server.local_settings.initial_window_size == default
-    assert other.local_settings.initial_window_size == default  # untouched
-    client.receive_data(server.data_to_send())
-    acks = client.data_to_send()
-    assert len(acks) == 18  # two empty SETTINGS frames with ACK
-    (first,) = server.receive_data(acks[:9])
-    assert isinstance(first, SettingsAcknowledged)
-    changed = first.changed_settings[code]
-    assert (changed.original_value, changed.new_value) == (default, 1000)
-    assert server.local_settings.initial_window_size == 1000
-    (second,) = server.receive_data(acks[9:])
-    assert isinstance(second, SettingsAcknowledged)
-    assert server.local_settings.initial_window_size == 2000
-    assert settled_and_shared(server)  # settled again once acknowledged
-    # Settings the peer names, also for the first time, are settled on receipt.
-    others_limit = other.remote_settings.max_header_list_size
-    client.update_settings({SettingCodes.MAX_HEADER_LIST_SIZE: 8192, UNKNOWN_SETTING: 1})
-    events = server.receive_data(client.data_to_send())
-    assert any(isinstance(event, RemoteSettingsChanged) for event in events)
-    assert settled_and_shared(server)
-    assert server.remote_settings.max_header_list_size == 8192
-    assert server.remote_settings[UNKNOWN_SETTING] == 1
-    assert other.remote_settings.max_header_list_size == others_limit != 8192
-    # h2 still refuses an invalid value, and still reads a setting it never had as missing.
-    with pytest.raises(h2.exceptions.InvalidSettingsValueError):
-        server.local_settings[SettingCodes.ENABLE_PUSH] = 2
-    assert UNKNOWN_SETTING + 1 not in server.remote_settings
-
-
-def test_shared_settings_are_bounded_whatever_values_peers_choose() -> None:
-    for value in range(10_000, 10_000 + 2 * _grpclib._MAX_SHARED_SETTINGS):
-        assert _grpclib._settled(value) == (value,)
-    assert len(_grpclib._shared_settings) <= _grpclib._MAX_SHARED_SETTINGS
-
-
 def test_advertised_stream_limit_survives_the_acknowledgement() -> None:
     server, client = h2_pair()
     _grpclib.advertise_stream_limit(server, 10, 110)
-    _grpclib.lighten_settings(server)
     client.receive_data(server.data_to_send())
     assert client.remote_settings.max_concurrent_streams == 10  # what the peer is told
     server.receive_data(client.data_to_send())  # its ACK
@@ -188,11 +116,6 @@ def test_advertised_stream_limit_survives_the_acknowledgement() -> None:
 
 def headers_of(event: RequestReceived | ResponseReceived) -> list[tuple[object, object]]:
     return [tuple(header) for header in event.headers or []]  # type: ignore[misc]
-
-
-def kind(held: object) -> type[object]:
-    """The exact type of a container (its declared type says deque; it may not be one)."""
-    return type(held)
 
 
 def request_and_response(server: H2Connection, client: H2Connection, index: int) -> bytes:
@@ -223,25 +146,6 @@ def request_and_response(server: H2Connection, client: H2Connection, index: int)
     assert isinstance(response, ResponseReceived)
     assert ("grpc-message", f"done {index}" * 20) in headers_of(response)
     return written
-
-
-def test_hpack_tables_encode_the_same_bytes_when_light() -> None:
-    plain, plain_client = h2_pair()
-    light, light_client = h2_pair()
-    tables = [light.encoder.header_table, light.decoder.header_table]
-    assert all(type(table.dynamic_entries) is collections.deque for table in tables)
-    _grpclib.lighten_header_tables(light)
-    assert all(kind(table.dynamic_entries) is NewestFirst for table in tables)
-    # Far more than the 4,096-byte tables hold: entries are evicted all along.
-    for index in range(60):
-        assert request_and_response(light, light_client, index) == request_and_response(
-            plain, plain_client, index
-        )
-    for light_table, plain_table in zip(
-        tables, [plain.encoder.header_table, plain.decoder.header_table], strict=True
-    ):
-        assert list(light_table.dynamic_entries) == list(plain_table.dynamic_entries)
-        assert len(light_table.dynamic_entries) == len(plain_table.dynamic_entries) > 0
 
 
 class RecordingTransport:
@@ -279,81 +183,6 @@ def stream_events(stream: grpclib.protocol.Stream) -> list[asyncio.Event]:
     return [stream.window_updated, stream.headers_received, stream.trailers_received]
 
 
-async def test_grpclib_events_wake_their_waiters_when_light() -> None:
-    async def scenario() -> None:
-        connection, stream, _ = grpclib_stream()
-        events = [connection.write_ready, connection.stream_close_waiter, *stream_events(stream)]
-        assert all(type(event._waiters) is collections.deque for event in events)
-        _grpclib.lighten_connection(connection)
-        _grpclib.lighten_stream(stream)
-        assert all(kind(event._waiters) is SmallDeque for event in events)
-        for event in events:
-            event.clear()
-            waiters = [asyncio.ensure_future(event.wait()) for _ in range(3)]
-            await asyncio.sleep(0)
-            assert len(event._waiters) == 3
-            waiters[1].cancel()  # a waiter that goes away is removed from the list
-            await asyncio.sleep(0)
-            assert len(event._waiters) == 2
-            event.set()
-            assert await waiters[0] and await waiters[2]
-            assert waiters[1].cancelled()
-            assert not event._waiters
-
-    async with trio_asyncio.open_loop():
-        await trio_asyncio.aio_as_trio(scenario)()
-
-
-async def test_grpclib_stream_buffer_reads_and_waits_when_light() -> None:
-    async def scenario() -> None:
-        connection, stream, client = grpclib_stream()
-        buffer: Any = stream.buffer
-        queue: Any = buffer._unacked
-        assert kind(queue) is asyncio.Queue
-        assert kind(buffer._acked) is collections.deque
-        for name in ("_getters", "_putters", "_queue"):
-            assert kind(getattr(queue, name)) is collections.deque, name
-        assert kind(queue._finished._waiters) is collections.deque
-        _grpclib.lighten_stream(stream)
-        assert kind(buffer._acked) is Fifo and kind(queue._queue) is Fifo
-        assert kind(queue._getters) is SmallDeque and kind(queue._putters) is SmallDeque
-        assert kind(queue._finished._waiters) is SmallDeque
-        # A read waits for data (a waiting getter), then takes part of a chunk
-        # (the chunk buffer's `[0]` is replaced) and the rest of it.
-        read = asyncio.ensure_future(stream.recv_data(2))
-        await asyncio.sleep(0)
-        assert len(queue._getters) == 1
-        stream.buffer.add(b"abcdef", 6)
-        assert await read == b"ab"
-        assert await stream.recv_data(4) == b"cdef"
-        # Many small chunks, read across their boundaries; every byte is acknowledged.
-        for index in range(100):
-            stream.buffer.add(bytes([65 + index % 26]), 1)
-        assert await stream.recv_data(60) == bytes(65 + i % 26 for i in range(60))
-        assert await stream.recv_data(40) == bytes(65 + i % 26 for i in range(60, 100))
-        assert not buffer._acked and queue.empty()
-        # Getters that give up are removed; the next item goes to one still waiting.
-        first, second = asyncio.ensure_future(queue.get()), asyncio.ensure_future(queue.get())
-        await asyncio.sleep(0)
-        first.cancel()
-        await asyncio.sleep(0)
-        assert len(queue._getters) == 1
-        queue.put_nowait("item")
-        assert await second == "item"
-        stream.buffer.eof()
-        assert await stream.recv_data(1) == b""
-        if sys.version_info >= (3, 13):  # Queue.shutdown pops every waiter
-            waiting = asyncio.ensure_future(queue.get())
-            await asyncio.sleep(0)
-            queue.shutdown()
-            with pytest.raises(asyncio.QueueShutDown):
-                await waiting
-        del connection, client
-
-    async with trio_asyncio.open_loop():
-        await trio_asyncio.aio_as_trio(scenario)()
-
-
 def frame_exchange(server: H2Connection, client: H2Connection) -> list[str]:
     """Every kind of frame a client sends a server; the events (by name) it produced."""
     names: list[str] = []
@@ -375,18 +204,6 @@ def frame_exchange(server: H2Connection, client: H2Connection) -> list[str]:
     client.close_connection()
     deliver()
     return names
-
-
-def test_h2_frames_are_dispatched_the_same_with_a_method_table() -> None:
-    plain, plain_client = h2_pair()
-    light, light_client = h2_pair()
-    assert isinstance(light._frame_dispatch_table, dict)
-    _grpclib.lighten_dispatch_tables(light, grpclib_processor(light))
-    assert isinstance(light._frame_dispatch_table, MethodTable)
-    events = frame_exchange(light, light_client)
-    assert events == frame_exchange(plain, plain_client)
-    assert {"RequestReceived", "DataReceived", "PingReceived", "StreamReset"} <= set(events)
-    assert "ConnectionTerminated" in events
 
 
 class RecordingHandler:
@@ -415,31 +232,6 @@ def grpclib_processor(h2_connection: H2Connection) -> grpclib.protocol.EventsPro
 
 class OtherEvent(H2Event):
     """An event grpclib has no processor for."""
-
-
-def test_grpclib_events_are_processed_the_same_with_a_method_table() -> None:
-    server, client = h2_pair()
-    processor = grpclib_processor(server)
-    assert isinstance(processor.processors, dict)
-    _grpclib.lighten_dispatch_tables(server, processor)
-    assert isinstance(processor.processors, MethodTable)
-    pings: list[object] = []
-    _grpclib.set_event_handler(processor, PingReceived, pings.append)
-    request = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
-    client.send_headers(1, request)
-    client.ping(b"12345678")
-    for event in server.receive_data(client.data_to_send()):
-        processor.process(event)  # grpclib's own dispatch
-    handler: Any = processor.handler
-    assert handler.accepted == [1]  # process_request_received, found by name
-    assert len(pings) == 1  # the handler set on top
-    with pytest.raises(NotImplementedError):  # an event grpclib has no processor for
-        processor.process(OtherEvent())
-    _grpclib.process_event(processor, OtherEvent())  # the adapter ignores it
-    processor.close()  # deletes its processors, as grpclib does
-    assert handler.closed and not hasattr(processor, "processors")
-    _grpclib.process_event(processor, PingReceived(ping_data=b"12345678"))
-    assert len(pings) == 1
 
 
 async def test_connection_can_send_follows_the_socket_and_the_shared_window() -> None:
@@ -877,36 +669,19 @@ def test_the_servers_encoder_keeps_no_dynamic_table() -> None:
     assert len(server.decoder.header_table.dynamic_entries) > 0
 
 
-async def test_a_lightened_transport_writes_everything_through_backpressure() -> None:
-    """A peer that reads late: asyncio buffers, sends part of a chunk, puts the rest
-    back at the front; the bytes arrive whole and in order."""
-    payload = bytes(range(256)) * 4096 * 4  # 4 MiB, far beyond the socket buffers
-    ours, theirs = socket.socketpair()
-    theirs.setblocking(False)
-
-    async def write_then_read() -> bytes:
-        loop = asyncio.get_running_loop()
-        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock=ours)
-        _grpclib.lighten_transport(transport)
-        buffer = transport._buffer  # type: ignore[attr-defined]
-        # 3.12 and later buffer in a deque, now a Fifo; 3.11 in a bytearray, kept.
-        assert type(buffer) is (bytearray if sys.version_info < (3, 12) else Fifo)
-        for start in range(0, len(payload), 4099):
-            transport.write(payload[start : start + 4099])
-        assert transport.get_write_buffer_size() > 0
-        received = bytearray()
-        while len(received) < len(payload):
-            try:
-                received += theirs.recv(1 << 16)
-            except BlockingIOError:
-                await asyncio.sleep(0)  # the transport writes more meanwhile
-        transport.close()
-        return bytes(received)
-
-    try:
-        async with trio_asyncio.open_loop():
-            with trio.fail_after(30):
-                received = await trio_asyncio.aio_as_trio(write_then_read)()
-    finally:
-        theirs.close()
-    assert received == payload
+async def test_a_finished_register_leaves_no_task_or_stream_in_grpclibs_handler(
+    grpc_clients: GrpcioClients,
+) -> None:
+    """`accept_request` drops a finished handler task at once (grpclib kept it, and
+    its stream, until the connection's tenth request)."""
+    async with trio.open_nursery() as nursery, open_jobsignal_server() as server:
+        client = grpc_clients.connect(server.target)
+        client_id = await in_thread(client.register_id, "CCAgent")
+        stream = GrpcioStream(client.subscribe("CCAgent", client_id, timeout=60)).start(nursery)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1, what="the subscriber")
+        (protocol,) = server.connections.protocols()
+        handler: Any = protocol.processor.handler
+        assert len(handler._tasks) == 1 and not handler._cancelled
+        assert list(handler._tasks) == list(protocol.processor.streams.values())
+        client.close()
+        await stream.wait_end()
