@@ -97,7 +97,7 @@ def _generate(session: nox.Session, out_dir: Path) -> None:
     session.run(
         *protoc,
         f"--python_betterproto2_out={out_dir}",
-        "--python_betterproto2_opt=client_generation=async",
+        "--python_betterproto2_opt=client_generation=none",
         *protos,
     )
     with tempfile.TemporaryDirectory() as tmp:

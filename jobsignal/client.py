@@ -24,22 +24,29 @@ import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TypeAlias, TypeVar, cast
+from typing import TypeAlias, TypeVar
 
 import trio
 import trio_asyncio
 from grpclib.client import Channel
 from grpclib.config import Configuration
+from grpclib.const import Cardinality
 from grpclib.const import Status as GrpcStatus
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-import jobsignal.rpc  # noqa: F401  (installs the grpclib adapter before any call)
-from jobsignal._proto.grpc.health.v1 import HealthCheckRequest, HealthStub
-from jobsignal._proto.job import ClientInfo, JobStub, JobSummarySignal, JobSummarySignalList
+import jobsignal.rpc  # noqa: F401  (grpclib on trio-asyncio: see jobsignal/rpc/__init__.py)
+from jobsignal._proto.grpc.health.v1 import HealthCheckRequest, HealthCheckResponse
+from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
 from jobsignal.backoff import Backoff
 from jobsignal.terminal import lone_exception
 
 log = logging.getLogger(__name__)
+
+# The RPCs called, by their full names (protos/job/job.proto, grpc.health.v1).
+REGISTER = "/job.Job/Register"
+SUBSCRIBE_SIGNAL = "/job.Job/SubscribeJobSummarySignal"
+SUBSCRIBE_LIST = "/job.Job/SubscribeJobSummarySignalList"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 # Refusals that another attempt cannot cure: a wrong role or a bad request.
 FATAL_STATUSES = frozenset({GrpcStatus.INVALID_ARGUMENT, GrpcStatus.UNIMPLEMENTED})
@@ -178,8 +185,42 @@ async def _open_channel(options: SubscribeOptions, context: ssl.SSLContext | Non
     return Channel(options.host, options.port, ssl=context, config=config)
 
 
-async def _register(stub: JobStub, role: str) -> str:
-    status = await stub.register(ClientInfo(role=role))
+_Request = TypeVar("_Request", ClientInfo, HealthCheckRequest)
+_Reply = TypeVar("_Reply", Status, HealthCheckResponse, JobSummarySignal, JobSummarySignalList)
+
+
+async def _unary(
+    channel: Channel, route: str, request: _Request, reply_type: type[_Reply]
+) -> _Reply:
+    """One request, one reply, through grpclib's public `Channel.request`."""
+    async with channel.request(route, Cardinality.UNARY_UNARY, type(request), reply_type) as call:
+        await call.send_message(request, end=True)
+        reply = await call.recv_message()
+    if reply is None:  # grpclib raises the call's status first, if it had one
+        raise GRPCError(GrpcStatus.UNKNOWN, f"{route}: no reply")
+    return reply
+
+
+async def _server_stream(
+    channel: Channel, route: str, request: _Request, reply_type: type[_Reply]
+) -> AsyncGenerator[_Reply, None]:
+    """One request, then every message of the server's stream."""
+    async with channel.request(route, Cardinality.UNARY_STREAM, type(request), reply_type) as call:
+        await call.send_message(request, end=True)
+        async for message in call:
+            yield message
+
+
+def _subscription(
+    channel: Channel, request: ClientInfo, list_mode: bool
+) -> AsyncGenerator[Signal, None]:
+    if list_mode:
+        return _server_stream(channel, SUBSCRIBE_LIST, request, JobSummarySignalList)
+    return _server_stream(channel, SUBSCRIBE_SIGNAL, request, JobSummarySignal)
+
+
+async def _register(channel: Channel, role: str) -> str:
+    status = await _unary(channel, REGISTER, ClientInfo(role=role), Status)
     if status.code != 200:
         raise GRPCError(GrpcStatus.RESOURCE_EXHAUSTED, f"Register: {status.code} {status.info}")
     client_id: str = status.client_id
@@ -197,15 +238,11 @@ async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
         channel = await trio_asyncio.aio_as_trio(_open_channel)(options, context)
         registered = False
         try:
-            stub = JobStub(channel)
-            client_id = await trio_asyncio.aio_as_trio(_register)(stub, options.role)
+            client_id = await trio_asyncio.aio_as_trio(_register)(channel, options.role)
             registered = True
             log.info("registered as %s (role %s)", client_id, options.role)
             request = ClientInfo(role=options.role, client_id=client_id)
-            if options.list_mode:
-                stream: AsyncIterator[Signal] = stub.subscribe_job_summary_signal_list(request)
-            else:
-                stream = stub.subscribe_job_summary_signal(request)
+            stream = _subscription(channel, request, options.list_mode)
             if options.on_subscribed is not None:
                 options.on_subscribed(client_id)
             # Closed when our caller stops early, not left to the garbage collector.
@@ -268,13 +305,9 @@ async def fetch_jobs(options: SubscribeOptions) -> list[JobSummarySignal]:
     CallFailed when that does not work out."""
 
     async def snapshot(channel: Channel) -> list[JobSummarySignal]:
-        stub = JobStub(channel)
-        client_id = await _register(stub, options.role)
+        client_id = await _register(channel, options.role)
         request = ClientInfo(role=options.role, client_id=client_id)
-        stream = cast(
-            "AsyncGenerator[JobSummarySignalList, None]",
-            stub.subscribe_job_summary_signal_list(request),
-        )
+        stream = _server_stream(channel, SUBSCRIBE_LIST, request, JobSummarySignalList)
         jobs: list[JobSummarySignal] = []
         async with aclosing(stream) as batches:
             async for batch in batches:
@@ -293,7 +326,8 @@ async def check_health(options: SubscribeOptions, service: str = "") -> str:
 
     async def check(channel: Channel) -> str:
         try:
-            reply = await HealthStub(channel).check(HealthCheckRequest(service=service))
+            request = HealthCheckRequest(service=service)
+            reply = await _unary(channel, HEALTH_CHECK, request, HealthCheckResponse)
         except GRPCError as error:
             if error.status is not GrpcStatus.NOT_FOUND:
                 raise

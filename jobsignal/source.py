@@ -18,9 +18,8 @@ import trio
 from jobsignal.store.model import JobSummary
 
 # Where a source hands job events: `Broadcaster.publish` in a server. The second
-# argument is when the source saw them (trio's clock), for latency; the third the
-# number of live jobs after each (a list message's JobTotalNum).
-Publish = Callable[[Sequence[JobSummary], float, Sequence[int]], None]
+# argument is when the source saw them (trio's clock), for latency.
+Publish = Callable[[Sequence[JobSummary], float], None]
 
 
 class JobSource(Protocol):

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import trio.testing
+import trio_asyncio  # noqa: F401  (before any grpclib: jobsignal/rpc/__init__.py says why)
 import trustme
 
 from jobsignal.sim.emulator import KubeEmulator, open_emulator

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,11 +36,11 @@ from jobsignal.kube.api import (
     Unauthorized,
 )
 from jobsignal.logs import RateLimitedLog
+from jobsignal.source import Publish
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 from jobsignal.store.configmap import BadConfigMap
 from jobsignal.store.jobs import MAX_JOINED_RANK_TABLE_CHARS, Changes
-from jobsignal.store.model import JobSummary
 from jobsignal.text import quote
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,6 @@ class WatchCounters:
     # Job events served without HcclJson: the rank table joined from the job's
     # ConfigMaps was over the store's cap (only a hostile job comes near it).
     rank_tables_over_cap: int = 0
-
-
-# Where the watcher hands job events: `Broadcaster.publish` in a server. The
-# second argument is when the source saw them (trio's clock), for latency.
-Publish = Callable[[Sequence[JobSummary], float], None]
 
 
 class _PageFetch:

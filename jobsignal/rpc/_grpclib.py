@@ -1,26 +1,14 @@
 """The one place where jobsignal reaches into grpclib and h2 internals.
 
-grpclib (pinned in pyproject.toml) has no hooks for what a production server
+grpclib (a range in pyproject.toml) has no hooks for what a production server
 must see and bound per connection: PING frames, stream resets, the streams a
 connection holds, the frames the server sends. Each private access lives in
 a named function here, so a grpclib upgrade breaks this module (and its
 contract test, tests/rpc/test_grpclib_adapter.py) and nothing else.
 
-It also carries one workaround. Python 3.12 made `asyncio.current_task` a C
-function that reads the running loop from the interpreter's thread state;
-trio-asyncio never sets that state for the loop it runs inside trio, so it
-replaces `asyncio.current_task` with a version that finds its loop, at
-import time. grpclib binds `asyncio.current_task` to `grpclib.utils.
-_current_task` when *it* is imported, which happens first (the generated
-message code imports grpclib). Its `Wrapper` and `DeadlineWrapper`, entered
-by every server handler and client call, then raise "RuntimeError: no
-running event loop" and every RPC fails with UNKNOWN. On 3.11
-`current_task` is pure Python and finds the loop through the patched
-function, so nothing shows. `install()` rebinds grpclib's alias; it runs
-when `jobsignal.rpc` is imported (the server and the client import it). It
-stays necessary while grpclib caches `asyncio.current_task` at import
-(0.4.9); a grpclib that looks it up at call time, or a trio-asyncio that
-sets the C-level running loop, makes it a no-op.
+It also checks one condition of running grpclib on trio-asyncio
+(`check_current_task`): grpclib must have bound trio-asyncio's
+`asyncio.current_task`, or on Python 3.12+ every RPC fails with UNKNOWN.
 
 And it keeps an idle connection small (docs/architecture.md section 8, "Lean
 per-connection state"). h2, grpclib and asyncio hold about twenty
@@ -46,14 +34,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import re
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpclib
 import grpclib.server
 import grpclib.utils
-import trio_asyncio  # noqa: F401  (imported for its patch of asyncio.current_task)
 from grpclib.metadata import decode_timeout, encode_grpc_message
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.protocol import Stream as ProtocolStream
@@ -73,20 +62,43 @@ from h2.stream import H2Stream, StreamInputs, StreamState
 from jobsignal.config import cannot_listen
 from jobsignal.rpc.codec import MESSAGE_PREFIX, PassthroughCodec, truncated_request
 
-PINNED_GRPCLIB = "0.4.9"
+# The grpclib releases whose internals this module is tested against (pyproject.toml's
+# range; `nox -s tests_lowest` and `tests_newest` run the suite at both ends).
+GRPCLIB_RANGE = ((0, 4, 9), (0, 5))
 
-if grpclib.__version__ != PINNED_GRPCLIB:  # pragma: no cover (guards an upgrade)
-    raise ImportError(
-        f"jobsignal needs grpclib {PINNED_GRPCLIB} (it relies on its internals, see"
-        f" {__name__}); found {grpclib.__version__}: pip install grpclib=={PINNED_GRPCLIB}"
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+if not GRPCLIB_RANGE[0] <= _release(grpclib.__version__) < GRPCLIB_RANGE[1]:
+    raise ImportError(  # pragma: no cover (pip enforces the range; this names it)
+        f"jobsignal works with grpclib >=0.4.9,<0.5 (it relies on its internals, see"
+        f" {__name__}); found {grpclib.__version__}"
     )
 
 ServerStream = grpclib.server.Stream[Any, Any]
 
 
-def install() -> None:
-    """Make grpclib use trio-asyncio's `current_task` (idempotent)."""
-    grpclib.utils._current_task = asyncio.current_task
+def check_current_task() -> None:
+    """Refuse to run where grpclib cannot find trio-asyncio's tasks.
+
+    Python 3.12 made `asyncio.current_task` a C function that reads the running
+    loop from the thread state, which trio-asyncio never sets for the loop it runs
+    inside trio; trio-asyncio replaces `asyncio.current_task` with one that finds
+    its loop, when it is imported. grpclib binds `asyncio.current_task` when
+    `grpclib.utils` is imported: bound before trio-asyncio's, its `Wrapper` (entered
+    by every server handler and client call) raises "no running event loop" and
+    every RPC fails with UNKNOWN. jobsignal.rpc imports trio_asyncio first; an
+    embedding program that imported grpclib's utilities before trio_asyncio must
+    import trio_asyncio first too (on 3.11 the stale binding still works).
+    """
+    if sys.version_info >= (3, 12) and grpclib.utils._current_task is not asyncio.current_task:
+        raise ImportError(
+            "grpclib was imported before trio_asyncio, so it cannot find trio-asyncio's"
+            " tasks on Python 3.12+ and every RPC would fail: import trio_asyncio before"
+            " grpclib (or before anything that imports it), then jobsignal"
+        )
 
 
 # -- the listening server -----------------------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import types
 from typing import Any, cast
 
@@ -44,6 +46,38 @@ def test_grpclib_looks_up_the_current_task_through_trio_asyncio() -> None:
     # On Python 3.12+ the C `current_task` grpclib captured at import cannot see
     # trio-asyncio's loop; every handler and call would fail with UNKNOWN.
     assert grpclib.utils._current_task is asyncio.current_task
+
+
+IMPORT_ORDER = """
+import sys
+for name in sys.argv[1:]:
+    __import__(name)
+print("imported")
+"""
+
+
+@pytest.mark.parametrize(
+    "grpclib_first", [False, True], ids=["trio_asyncio_first", "grpclib_first"]
+)
+def test_jobsignal_binds_grpclib_to_trio_asyncio_without_writing_into_it(
+    grpclib_first: bool,
+) -> None:
+    """jobsignal.rpc imports trio_asyncio before grpclib; a program that bound grpclib
+    first is told what to do (on 3.12+, where that binding fails every RPC)."""
+    order = ["grpclib.utils", "trio_asyncio"] if grpclib_first else []
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_ORDER, *order, "jobsignal.rpc"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if grpclib_first and sys.version_info >= (3, 12):
+        assert done.returncode != 0
+        assert "import trio_asyncio before grpclib" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "imported"
 
 
 async def test_grpclib_wrappers_work_inside_a_trio_asyncio_task() -> None:

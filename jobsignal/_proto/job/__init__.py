@@ -3,20 +3,18 @@
 # plugin: python-betterproto2
 # This file has been @generated
 
-__all__ = ("ClientInfo", "JobStub", "JobSummarySignal", "JobSummarySignalList", "Status")
+__all__ = (
+    "ClientInfo",
+    "JobSummarySignal",
+    "JobSummarySignalList",
+    "Status",
+)
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import betterproto2
-from betterproto2 import grpclib as betterproto2_grpclib
 
 from ..message_pool import default_message_pool
-
-if TYPE_CHECKING:
-    from betterproto2.grpclib.grpclib_client import MetadataLike
-    from grpclib.metadata import Deadline
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
@@ -110,61 +108,3 @@ class Status(betterproto2.Message):
 
 
 default_message_pool.register_message("job", "Status", Status)
-
-
-class JobStub(betterproto2_grpclib.ServiceStub):
-    async def register(
-        self,
-        message: "ClientInfo",
-        *,
-        timeout: "float | None" = None,
-        deadline: "Deadline | None" = None,
-        metadata: "MetadataLike | None" = None,
-    ) -> "Status":
-
-        return await self._unary_unary(
-            "/job.Job/Register",
-            message,
-            Status,
-            timeout=timeout,
-            deadline=deadline,
-            metadata=metadata,
-        )
-
-    async def subscribe_job_summary_signal(
-        self,
-        message: "ClientInfo",
-        *,
-        timeout: "float | None" = None,
-        deadline: "Deadline | None" = None,
-        metadata: "MetadataLike | None" = None,
-    ) -> "AsyncIterator[JobSummarySignal]":
-
-        async for response in self._unary_stream(
-            "/job.Job/SubscribeJobSummarySignal",
-            message,
-            JobSummarySignal,
-            timeout=timeout,
-            deadline=deadline,
-            metadata=metadata,
-        ):
-            yield response
-
-    async def subscribe_job_summary_signal_list(
-        self,
-        message: "ClientInfo",
-        *,
-        timeout: "float | None" = None,
-        deadline: "Deadline | None" = None,
-        metadata: "MetadataLike | None" = None,
-    ) -> "AsyncIterator[JobSummarySignalList]":
-
-        async for response in self._unary_stream(
-            "/job.Job/SubscribeJobSummarySignalList",
-            message,
-            JobSummarySignalList,
-            timeout=timeout,
-            deadline=deadline,
-            metadata=metadata,
-        ):
-            yield response

@@ -3,25 +3,13 @@
 # plugin: python-betterproto2
 # This file has been @generated
 
-__all__ = (
-    "HealthCheckRequest",
-    "HealthCheckResponse",
-    "HealthCheckResponseServingStatus",
-    "HealthStub",
-)
+__all__ = ("HealthCheckRequest", "HealthCheckResponse", "HealthCheckResponseServingStatus")
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import betterproto2
-from betterproto2 import grpclib as betterproto2_grpclib
 
 from ....message_pool import default_message_pool
-
-if TYPE_CHECKING:
-    from betterproto2.grpclib.grpclib_client import MetadataLike
-    from grpclib.metadata import Deadline
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
@@ -59,48 +47,3 @@ class HealthCheckResponse(betterproto2.Message):
 
 
 default_message_pool.register_message("grpc.health.v1", "HealthCheckResponse", HealthCheckResponse)
-
-
-class HealthStub(betterproto2_grpclib.ServiceStub):
-    async def check(
-        self,
-        message: "HealthCheckRequest",
-        *,
-        timeout: "float | None" = None,
-        deadline: "Deadline | None" = None,
-        metadata: "MetadataLike | None" = None,
-    ) -> "HealthCheckResponse":
-        """
-        The current status; NOT_FOUND for an unknown entry.
-        """
-
-        return await self._unary_unary(
-            "/grpc.health.v1.Health/Check",
-            message,
-            HealthCheckResponse,
-            timeout=timeout,
-            deadline=deadline,
-            metadata=metadata,
-        )
-
-    async def watch(
-        self,
-        message: "HealthCheckRequest",
-        *,
-        timeout: "float | None" = None,
-        deadline: "Deadline | None" = None,
-        metadata: "MetadataLike | None" = None,
-    ) -> "AsyncIterator[HealthCheckResponse]":
-        """
-        The current status, then each change.
-        """
-
-        async for response in self._unary_stream(
-            "/grpc.health.v1.Health/Watch",
-            message,
-            HealthCheckResponse,
-            timeout=timeout,
-            deadline=deadline,
-            metadata=metadata,
-        ):
-            yield response
