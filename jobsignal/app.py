@@ -27,6 +27,7 @@ import trio
 from jobsignal.config import Config, ConfigError
 from jobsignal.fanout import Broadcaster
 from jobsignal.file_limit import open_file_limit, shortfall
+from jobsignal.gc_pacing import GcPacing
 from jobsignal.heap import release_free_memory
 from jobsignal.kube.api import KubeApi, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
@@ -367,10 +368,10 @@ async def run_jobsignal(
     `handle_signals`, SIGINT/SIGTERM).
 
     With `settle_memory` (the CLI's `jobsignal serve` asks for it) it calls
-    `gc.freeze()` once the first LIST is loaded and gives free C heap pages
-    back to the system after every LIST (`_settle_memory_after_lists`): both
-    act on the whole process, so an embedding program gets neither unless it
-    asks.
+    `gc.freeze()` once the first LIST is loaded, gives free C heap pages back
+    to the system after every LIST (`_settle_memory_after_lists`) and keeps
+    full garbage collections short (`gc_pacing.GcPacing`): all act on the
+    whole process, so an embedding program gets none unless it asks.
     """
     connection = choose_connection(config, environ)
     relay_tls = _relay_tls(config)
@@ -431,6 +432,7 @@ async def run_jobsignal(
             )
         if settle_memory:
             nursery.start_soon(_settle_memory_after_lists, status)
+            await nursery.start(GcPacing().run)
         parts = ServerParts(broadcaster, registry, store, status, source, server)
         task_status.started(RunningJobsignal(parts, shutdown, metrics_port))
         await server.stopped.wait()
