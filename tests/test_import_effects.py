@@ -161,6 +161,7 @@ LAZY_CACHES = [
     "urllib.parse._typeprog",
 ]
 
+
 def test_importing_and_embedding_jobsignal_leaves_the_process_as_it_was() -> None:
     dependencies = run(LOADED_BY_IMPORT)
     assert "trio_asyncio" in dependencies and "grpclib" in dependencies  # (what is compared)

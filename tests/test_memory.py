@@ -8,6 +8,7 @@ its first LIST is loaded and again after every relist (here, after a 410).
 
 from __future__ import annotations
 
+import gc
 import platform
 from pathlib import Path
 
@@ -67,7 +68,7 @@ async def test_a_server_releases_memory_after_its_first_list_and_every_relist(
     monkeypatch.setattr(app, "release_free_memory", release_free_memory)
     cluster = Cluster(emu.state)
     cluster.write(ClusterdJob("training", "a", "uid-a"), "pending")
-    async with open_kube_server(emu, tmp_path, ready=True) as server:
+    async with open_kube_server(emu, tmp_path, ready=True, settle_memory=True) as server:
         status = server._parts.status
         # Once the first LIST is loaded (the task runs right after readiness).
         await wait_until(lambda: releases == 1, what="a release after the first LIST")
@@ -80,3 +81,4 @@ async def test_a_server_releases_memory_after_its_first_list_and_every_relist(
         assert server._parts.watcher.counters.relists_after_gone == 1
         await trio.sleep(0.1)
         assert releases == 2, "released without a LIST"
+    gc.unfreeze()  # (the server froze this test process's objects)
