@@ -51,6 +51,7 @@ CLOSE_REASONS = frozenset(
         connections.KEEPALIVE_TIMEOUT,
         connections.PROTOCOL_ERROR,
         connections.INTERNAL_ERROR,
+        connections.MAX_AGE,
         guard.RAPID_RESET,
         guard.CONTROL_FLOOD,
     }
