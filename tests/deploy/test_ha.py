@@ -25,7 +25,6 @@ import pytest
 import yaml
 
 from jobsignal.config import load_config
-
 from tests.support.manifests import (
     COMPONENT_PURPOSES,
     KUBE,
