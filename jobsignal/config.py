@@ -60,6 +60,16 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _optional_positive_float(text: str) -> float | None:
+    """Seconds, or empty for none."""
+    return _positive_float(text) if text else None
+
+
+def _optional_non_negative_float(text: str) -> float | None:
+    """Seconds (zero included), or empty for none."""
+    return _non_negative_float(text) if text else None
+
+
 def _positive_int(text: str, what: str = "integer") -> int:
     try:
         value = int(text)
@@ -152,6 +162,8 @@ _VALUE_NAMES: dict[Callable[[str], Any], str] = {
     _optional_listen: "HOST:PORT",
     _positive_float: "SECONDS",
     _non_negative_float: "SECONDS",
+    _optional_positive_float: "SECONDS",
+    _optional_non_negative_float: "SECONDS",
     _per_second: "PER_SECOND",
     _positive_int: "COUNT",
     _bytes: "BYTES",
@@ -432,6 +444,22 @@ class Config:
         "strikes allowed before GOAWAY ENHANCE_YOUR_CALM too_many_pings",
         group="keepalive",
     )
+    max_connection_age: float | None = setting(
+        "",
+        _optional_positive_float,
+        "seconds (less or more 10%, at random) after which a connection gets GOAWAY, so its"
+        " client opens new calls on a new connection, through the Service to any replica;"
+        " its open streams go on (empty: never)",
+        group="keepalive",
+    )
+    max_connection_age_grace: float | None = setting(
+        "",
+        _optional_non_negative_float,
+        "seconds the open streams of such a connection then get before each subscription ends"
+        " with UNAVAILABLE (reconnect) and the connection closes (empty: no limit, no stream"
+        " is ended: a subscription moves only when it ends)",
+        group="keepalive",
+    )
     handshake_timeout: float = setting(
         "5",
         _positive_float,
@@ -636,6 +664,11 @@ def load_config(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> 
             f"--keepalive-time {config.keepalive_time:g}s must be below --idle-timeout"
             f" {config.idle_timeout:g}s: the server's keepalive PING is what gives a client"
             " without keepalive of its own a heartbeat before its quiet stream is idle"
+        )
+    if config.max_connection_age_grace is not None and config.max_connection_age is None:
+        raise ConfigError(
+            "--max-connection-age-grace needs --max-connection-age: without an age no"
+            " connection is ever asked to go"
         )
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together: give both or neither")

@@ -155,9 +155,10 @@ class JobsignalCollector(Collector):
         )
         yield _counter(
             "jobsignal_connections_closed_by_server_total",
-            "gRPC connections the server closed on the peer's misbehaviour or silence, by"
-            " reason (too_many_pings, rapid_reset, control_flood, handshake_timeout,"
-            " write_stalled, keepalive_timeout, protocol_error, internal_error).",
+            "gRPC connections the server closed on the peer's misbehaviour or silence, or"
+            " asked to go at their maximum age, by reason (too_many_pings, rapid_reset,"
+            " control_flood, handshake_timeout, write_stalled, keepalive_timeout,"
+            " protocol_error, internal_error, max_age: counted at its first GOAWAY).",
             "reason",
             sources.connections_closed_by_server(),
         )
@@ -273,7 +274,8 @@ class JobsignalCollector(Collector):
         )
         yield _counter(
             "jobsignal_stream_ends_total",
-            "Ended subscription streams by reason (idle, slow, replaced, shutdown, client_gone),"
+            "Ended subscription streams by reason (idle, slow, replaced, shutdown, max_age,"
+            " client_gone),"
             " and refused calls (refused: Subscribe refused by the registry or a rate limit,"
             " Register refused by a rate limit).",
             "reason",

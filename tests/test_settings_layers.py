@@ -23,6 +23,7 @@ from jobsignal.rpc.activity import PingPolicy
 from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.keepalive import KeepalivePolicy
 from jobsignal.rpc.limits import Limits
+from jobsignal.rpc.max_age import MaxAgePolicy
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import ServerSettings
 from jobsignal.rpc.session import SessionSettings
@@ -34,6 +35,7 @@ LAYER_SETTINGS: list[type[LayerSettings]] = [
     SessionSettings,
     PingPolicy,
     KeepalivePolicy,
+    MaxAgePolicy,
     ProtocolLimits,
     Limits,
     WatchSettings,
@@ -119,6 +121,11 @@ REACHES: dict[str, tuple[str, str | dict[str, object]]] = {
     "request_timeout": ("11", "server.session.request_timeout"),
     "keepalive_time": ("62", "server.keepalive.interval"),
     "keepalive_timeout": ("6", "server.keepalive.timeout"),
+    "max_connection_age": ("3600", "server.max_age.age"),
+    "max_connection_age_grace": (
+        "60",
+        {"server.max_age.age": 3600.0, "server.max_age.grace": 60.0},
+    ),
     "min_client_ping_interval": ("4", "server.ping_policy.min_interval"),
     "ping_strikes": ("3", "server.ping_policy.max_strikes"),
     "handshake_timeout": ("7", "server.protocol_limits.handshake_timeout"),
@@ -163,6 +170,7 @@ UPSTREAM_TLS = {
 NEEDS: dict[str, dict[str, str]] = {
     **{name: TLS for name in ("tls_cert", "tls_key", "tls_client_ca")},
     "upstream": {"source": "relay"},
+    "max_connection_age_grace": {"max_connection_age": "3600"},
     "upstream_tls_cert": UPSTREAM_TLS,
     "upstream_tls_key": UPSTREAM_TLS,
     "upstream_tls_server_name": {"upstream_tls_ca": "ca.pem"},

@@ -42,7 +42,7 @@ class StreamKind(enum.Enum):
 class EndReason(enum.Enum):
     """Why a subscription stream ended, as `FanoutStats.stream_ends` counts it.
 
-    The first four are the server's: set on the subscriber (`Subscriber.end`),
+    The first five are the server's: set on the subscriber (`Subscriber.end`),
     turned into a gRPC status by `rpc`. The last two it does not choose: a
     stream refused before it subscribed, and a client that went away.
     """
@@ -51,6 +51,7 @@ class EndReason(enum.Enum):
     SLOW = "slow"
     REPLACED = "replaced"
     SHUTDOWN = "shutdown"
+    MAX_AGE = "max_age"  # its connection's maximum age and grace ran out
     REFUSED = "refused"
     CLIENT_GONE = "client_gone"
 

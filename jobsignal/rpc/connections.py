@@ -12,6 +12,9 @@ wraps it in `ObservedH2Protocol`, which owns what one connection may do:
 - a handshake timeout for peers that never send the preface and SETTINGS;
 - server keepalive: a PING to a peer quiet for `--keepalive-time`, and the
   connection closed when nothing comes back (`rpc.keepalive`);
+- the maximum connection age: GOAWAY, PING, GOAWAY as grpc-go does, then
+  streams refused, and with a grace, the subscriptions ended with UNAVAILABLE
+  and the connection closed (`rpc.max_age`);
 - at most `read_bytes_per_turn` of input per event-loop turn, so one peer's
   burst cannot hold the loop;
 - a peer that does not read: the server stops reading from it (its PINGs and
@@ -51,6 +54,7 @@ from h2.events import (
     WindowUpdated,
 )
 from h2.exceptions import ProtocolError, StreamClosedError
+from hyperframe.frame import GoAwayFrame
 
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
@@ -58,6 +62,16 @@ from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.guard import AddressBudgets, ConnectionBudget, ProtocolLimits
 from jobsignal.rpc.keepalive import KeepalivePolicy, Liveness, PeerLiveness
 from jobsignal.rpc.limits import ConnectionCounter, Limits, peer_ip, tls_handshake_counter
+from jobsignal.rpc.max_age import (
+    DRAIN_POLL,
+    FINAL_WRITE_TIMEOUT,
+    GOAWAY_PING,
+    GOAWAY_PING_TIMEOUT,
+    MAX_STREAM_ID,
+    Aging,
+    MaxAgePolicy,
+    Stage,
+)
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
 from jobsignal.text import quote
 
@@ -71,10 +85,14 @@ KEEPALIVE_TIMEOUT = "keepalive_timeout"
 # The opaque data of the server's keepalive PINGs (any 8 bytes do; nothing checks them).
 KEEPALIVE_PING = b"jobsignl"
 PROTOCOL_ERROR = "protocol_error"
+MAX_AGE = "max_age"
 INTERNAL_ERROR = "internal_error"
 DEADLINE_EXCEEDED = 4
 RESOURCE_EXHAUSTED = 8
+UNAVAILABLE = 14
 INTERNAL = 13
+# What the streams still open when a connection's maximum age and grace ran out are told.
+MAX_AGE_ENDED = "the connection reached its maximum age and its grace period ran out; reconnect"
 # A call with less time than this (its grpc-timeout) is answered DEADLINE_EXCEEDED
 # before grpclib sees it: grpclib starts the deadline when the call's task runs
 # and, finding none of it left, answered UNKNOWN and logged a traceback at ERROR.
@@ -105,9 +123,14 @@ class ConnectionTable:
         limits: Limits | None = None,
         protocol_limits: ProtocolLimits | None = None,
         keepalive: KeepalivePolicy | None = None,
+        max_age: MaxAgePolicy | None = None,
     ) -> None:
         self.ping_policy = ping_policy
         self.keepalive = keepalive or KeepalivePolicy()
+        self.max_age = max_age or MaxAgePolicy()
+        # Ends the subscriptions of one connection whose maximum age and grace ran
+        # out, each with its status (the server sets it: `rpc.server`).
+        self.end_subscriptions: Callable[[ConnectionActivity], None] = _no_subscriptions
         self.limits = limits or Limits()
         self.protocol_limits = protocol_limits or ProtocolLimits()
         self.counter = ConnectionCounter(
@@ -167,6 +190,13 @@ class ConnectionTable:
         if protocol is not None:
             asyncio.get_running_loop().call_soon(protocol.goaway_if_unused)
 
+    def close_if_draining(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        """Close the stream's connection once no other stream uses it, if it has had
+        its maximum-age GOAWAY (no new stream can come)."""
+        protocol = self._protocols.get(_grpclib.connection_of(stream))
+        if protocol is not None and protocol.draining:
+            asyncio.get_running_loop().call_soon(protocol.goaway_if_unused)
+
     @property
     def open_transports(self) -> int:
         """Connections whose transport is not closed yet (refused ones included)."""
@@ -200,6 +230,10 @@ class ConnectionTable:
             protocol.abort()
 
 
+def _no_subscriptions(activity: ConnectionActivity) -> None:
+    """A table without a server to end subscriptions (tests of the connections alone)."""
+
+
 def _describe(error: ProtocolError) -> str:
     """What a peer did wrong, for the log (h2's text of a frame on a stream closed
     by END_STREAM is the stream id alone)."""
@@ -230,6 +264,7 @@ class ObservedH2Protocol(H2Protocol):
         self._write_blocked = False
         self._reading_paused = False
         self._counted = False  # admitted: in the counter and the table until lost
+        self._aging: Aging | None = None  # with --max-connection-age
 
     @property
     def _limits(self) -> ProtocolLimits:
@@ -300,6 +335,7 @@ class ObservedH2Protocol(H2Protocol):
         _grpclib.set_event_handler(self.processor, RequestReceived, self._request_received)
         _grpclib.set_event_handler(self.processor, StreamReset, self._stream_reset)
         self._table.add(self)
+        self._start_aging(loop)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._linger is not None:  # a refused connection, lingering until now
@@ -317,6 +353,8 @@ class ObservedH2Protocol(H2Protocol):
                 timer.cancel()
         self._linger = self._handshake_timer = self._stall_timer = self._hold_timer = None
         self._keepalive_timer = None
+        if self._aging is not None:
+            self._aging.cancel()
         self._held = None
         self._input.clear()
         self._table.lost(self)
@@ -473,6 +511,12 @@ class ObservedH2Protocol(H2Protocol):
     # -- events ----------------------------------------------------------------------------------
 
     def _request_received(self, event: RequestReceived) -> None:
+        if self._aging is not None and self._aging.refusing:
+            # Past the last stream its GOAWAY named: the client retries it elsewhere.
+            self._table.streams_refused += 1
+            with contextlib.suppress(ProtocolError):
+                self._h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+            return
         if _grpclib.live_streams(self.processor) >= self._table.limits.max_streams_per_connection:
             # Over the limit advertised in SETTINGS: refuse this stream alone
             # (clients retry a refused stream transparently).
@@ -493,6 +537,8 @@ class ObservedH2Protocol(H2Protocol):
     def _stream_reset(self, event: StreamReset) -> None:
         _grpclib.reset_stream(self.processor, event)
         self.output.release_closed()  # a message it was finishing will never go
+        if self.draining:  # perhaps its last stream
+            asyncio.get_running_loop().call_soon(self.goaway_if_unused)
 
     def _refuse_request(self, refusal: str, event: RequestReceived) -> None:
         self._answer(event.stream_id, "200", RESOURCE_EXHAUSTED, refusal)
@@ -535,6 +581,8 @@ class ObservedH2Protocol(H2Protocol):
         if event.ping_data == KEEPALIVE_PING and self.liveness.ping_outstanding:
             self.liveness.heartbeat(trio.current_time())
             self.activity.ping_acked()
+        elif event.ping_data == GOAWAY_PING:
+            self._last_goaway()
 
     # -- closing ---------------------------------------------------------------------------------
 
@@ -595,15 +643,115 @@ class ObservedH2Protocol(H2Protocol):
 
     def goaway_if_unused(self) -> None:
         if not self.processor.streams:
-            self.goaway(ErrorCodes.NO_ERROR, b"idle")
+            aged = self._aging is not None and self._aging.stage is not Stage.YOUNG
+            self.goaway(ErrorCodes.NO_ERROR, MAX_AGE.encode() if aged else b"idle")
 
     def goaway(self, code: ErrorCodes, debug: bytes) -> None:
         """Send GOAWAY and close the transport (after buffered data is written)."""
         if self.connection.is_closing():
             return
-        self._h2.close_connection(error_code=code, additional_data=debug)
+        # Never a higher last stream id than a maximum-age GOAWAY already named.
+        last = None if self._aging is None else self._aging.last_stream_id
+        self._h2.close_connection(error_code=code, additional_data=debug, last_stream_id=last)
         self.connection.flush()
         self.processor.close(reason=f"GOAWAY {code.name} {debug.decode()}")
+
+    # -- maximum connection age (rpc/max_age.py) ------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        """It has had its maximum-age GOAWAYs: it closes once its last stream ends."""
+        return self._aging is not None and self._aging.refusing
+
+    def _start_aging(self, loop: asyncio.AbstractEventLoop) -> None:
+        age = self._table.max_age.jittered_age()
+        if age is not None:
+            self._aging = Aging(loop.call_later(age, self._max_age_reached))
+
+    def _max_age_reached(self) -> None:
+        """First GOAWAY (no stream refused) and its PING; the grace starts now."""
+        aging = self._aging
+        assert aging is not None
+        aging.timer = None
+        if self.connection.is_closing():
+            return
+        self._table.closed_by_server[MAX_AGE] += 1
+        fault_log.log(
+            logging.INFO,
+            MAX_AGE,
+            "connection from %s reached its maximum age: GOAWAY, new calls go to a new connection",
+            self.activity.peer,
+        )
+        self._write_goaway(MAX_STREAM_ID)
+        self._h2.ping(GOAWAY_PING)
+        self.connection.flush()
+        aging.stage = Stage.PINGED
+        loop = asyncio.get_running_loop()
+        aging.set_timer(loop.call_later(GOAWAY_PING_TIMEOUT, self._last_goaway))
+        grace = self._table.max_age.grace
+        if grace is not None:
+            aging.grace_timer = loop.call_later(grace, self._max_age_grace_over)
+
+    def _last_goaway(self) -> None:
+        """The second GOAWAY, naming the last stream taken: later ones are refused."""
+        aging = self._aging
+        if aging is None or aging.stage is not Stage.PINGED or self.connection.is_closing():
+            return
+        aging.stage = Stage.DRAINING
+        aging.last_stream_id = self._h2.highest_inbound_stream_id
+        self._write_goaway(aging.last_stream_id)
+        aging.set_timer(None)
+        self._close_when_unused()
+
+    def _write_goaway(self, last_stream_id: int) -> None:
+        """A GOAWAY NO_ERROR "max_age" that leaves the connection open: h2 has only the
+        final one (`close_connection`, after which it sends nothing more), so the frame
+        is written to the transport, after what h2 holds."""
+        self.connection.flush()
+        frame = GoAwayFrame(0, last_stream_id=last_stream_id, additional_data=MAX_AGE.encode())
+        self._transport.write(frame.serialize())
+
+    def _close_when_unused(self) -> None:
+        """Close the draining connection once its last stream has ended."""
+        aging = self._aging
+        assert aging is not None
+        aging.timer = None
+        if self.connection.is_closing():
+            return
+        if not self.processor.streams:
+            self.goaway(ErrorCodes.NO_ERROR, MAX_AGE.encode())
+            return
+        delay = FINAL_WRITE_TIMEOUT if aging.stage is Stage.ENDING else DRAIN_POLL
+        callback = self._max_age_close if aging.stage is Stage.ENDING else self._close_when_unused
+        aging.set_timer(asyncio.get_running_loop().call_later(delay, callback))
+
+    def _max_age_grace_over(self) -> None:
+        """End the connection's subscriptions (UNAVAILABLE, their handlers close it
+        once the last status is written), and its other streams a moment later."""
+        aging = self._aging
+        assert aging is not None
+        aging.grace_timer = None
+        if self.connection.is_closing():
+            return
+        self._last_goaway()  # if the PING's ACK has not come yet
+        if self.connection.is_closing():  # it had no stream left
+            return
+        aging.stage = Stage.ENDING
+        self._table.end_subscriptions(self.activity)
+        self._close_when_unused()
+
+    def _max_age_close(self) -> None:
+        """The grace and the final write are over: the connection closes. A stream
+        still open that has not answered yet (a call whose request is still coming)
+        gets UNAVAILABLE first; one that has (a health Watch, a subscription whose
+        peer does not read) ends as the connection closes: UNAVAILABLE on the
+        client's side, after the GOAWAY that says max_age, as with grpc-go."""
+        assert self._aging is not None
+        self._aging.timer = None
+        for stream_id in list(self.processor.streams):
+            # (Refused by h2, and nothing sent, where the response has begun.)
+            self._answer(stream_id, "200", UNAVAILABLE, MAX_AGE_ENDED)
+        self.goaway(ErrorCodes.NO_ERROR, MAX_AGE.encode())
 
 
 class JobsignalServer(grpclib.server.Server):

@@ -11,6 +11,7 @@ and at the end of the grace period drop those whose peer has not read its GOAWAY
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from grpclib.health.check import ServiceStatus
 from jobsignal.config import Config, LayerSettings, from_setting
 from jobsignal.fanout import Broadcaster, EndReason
 from jobsignal.rpc import _grpclib, socket_readers
-from jobsignal.rpc.activity import PingPolicy
+from jobsignal.rpc.activity import ConnectionActivity, PingPolicy
 from jobsignal.rpc.codec import PassthroughCodec
 from jobsignal.rpc.connections import ConnectionTable, JobsignalServer
 from jobsignal.rpc.guard import ProtocolLimits
@@ -34,6 +35,7 @@ from jobsignal.rpc.health import Health, service_name
 from jobsignal.rpc.keepalive import KeepalivePolicy
 from jobsignal.rpc.limits import Limits
 from jobsignal.rpc.loop_faults import LoopFaults
+from jobsignal.rpc.max_age import MaxAgePolicy
 from jobsignal.rpc.reflection import LazyReflection
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.service import JobService
@@ -70,6 +72,7 @@ class ServerSettings(LayerSettings):
     session: SessionSettings = from_setting(SessionSettings.from_config)
     ping_policy: PingPolicy = from_setting(PingPolicy.from_config)
     keepalive: KeepalivePolicy = from_setting(KeepalivePolicy.from_config)
+    max_age: MaxAgePolicy = from_setting(MaxAgePolicy.from_config)
     shutdown_grace: float = from_setting(lambda c: c.shutdown_grace)
     max_request_bytes: int = from_setting(lambda c: c.max_request_bytes)
     # grpclib's default of 100 starves handshakes when many clients connect at once.
@@ -131,6 +134,14 @@ def tls_serving(
     )
 
 
+def _end_aged_subscriptions(broadcaster: Broadcaster, connection: ConnectionActivity) -> None:
+    """End the subscriptions of a connection whose maximum age and grace ran out:
+    each handler then sends UNAVAILABLE and closes the connection after the last."""
+    for subscriber in broadcaster.subscribers:
+        if subscriber.group is connection:
+            subscriber.end(EndReason.MAX_AGE)
+
+
 async def _track_health(
     status: SourceStatus, ready: ServiceStatus, synced: ServiceStatus, draining: trio.Event
 ) -> None:
@@ -171,8 +182,13 @@ async def run_grpc_server(
     """Serve until `shutdown`; health turns NOT_SERVING when `draining` (or `shutdown`) is set."""
     draining = trio.Event() if draining is None else draining
     connections = ConnectionTable(
-        settings.ping_policy, settings.limits, settings.protocol_limits, settings.keepalive
+        settings.ping_policy,
+        settings.limits,
+        settings.protocol_limits,
+        settings.keepalive,
+        settings.max_age,
     )
+    connections.end_subscriptions = functools.partial(_end_aged_subscriptions, broadcaster)
     service = JobService(
         registry=registry,
         broadcaster=broadcaster,

@@ -242,6 +242,8 @@ class JobService:
             await stream.send_trailing_metadata(status=end.status, status_message=end.message)
             if end.close_connection_if_unused:
                 self.connections.close_if_unused(stream)
+            else:
+                self.connections.close_if_draining(stream)
         finally:
             self._open_streams -= 1
             if not self._open_streams:

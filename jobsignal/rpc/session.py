@@ -90,7 +90,7 @@ class StreamEnd:
 
     @property
     def close_connection_if_unused(self) -> bool:
-        return self.reason is EndReason.IDLE
+        return self.reason is EndReason.IDLE or self.reason is EndReason.MAX_AGE
 
 
 def end_for(reason: EndReason, settings: SessionSettings) -> StreamEnd:
@@ -113,6 +113,13 @@ def end_for(reason: EndReason, settings: SessionSettings) -> StreamEnd:
         return StreamEnd(
             Status.ABORTED,
             "replaced by a newer subscription with the same clientId",
+            reason,
+        )
+    if reason is EndReason.MAX_AGE:
+        return StreamEnd(
+            Status.UNAVAILABLE,
+            "the connection reached its maximum age (--max-connection-age and its grace);"
+            " reconnect, register again and subscribe again",
             reason,
         )
     if reason is EndReason.CLIENT_GONE:  # nobody reads it: the stream is gone

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from jobsignal.config import load_config
 from tests.support.manifests import (
     COMPONENT_PURPOSES,
     KUBE,
@@ -104,6 +106,7 @@ def _check_ha(objects: Sequence[Obj], where: str) -> None:
     (container,) = _pod_spec(deployment)["containers"]
     probe = container.get("readinessProbe", {})
     assert probe.get("httpGet", {}).get("path") == "/readyz", f"{where}: readiness {probe}"
+    _check_max_connection_age(container, where)
 
     constraints = _pod_spec(deployment).get("topologySpreadConstraints", [])
     spread = {c["topologyKey"]: c["whenUnsatisfiable"] for c in constraints}
@@ -147,8 +150,29 @@ def _as_written(root: Path) -> list[Obj]:
         target = (patch["kind"], patch["metadata"]["name"])
         (obj,) = [o for o in objects if (o["kind"], o["metadata"]["name"]) == target]
         for path in changes[target]:
-            _set(obj, path, _get(patch, path, f"{_rel(HA)}: the patch of {target}"))
+            value = _get(patch, path, f"{_rel(HA)}: the patch of {target}")
+            if path == CONTAINERS:
+                value = _merged_by_name(_get(obj, path, str(target)), value)
+            _set(obj, path, value)
     return objects
+
+
+CONTAINERS = "spec.template.spec.containers"
+
+
+def _merged_by_name(base: list[Obj], patch: list[Obj]) -> list[Obj]:
+    """A strategic merge of containers, and of each one's env, by name (as kustomize does)."""
+    merged = copy.deepcopy(base)
+    for patched in patch:
+        (container,) = [c for c in merged if c["name"] == patched["name"]]
+        for key, value in patched.items():
+            if key == "env":
+                names = {e["name"] for e in value}
+                kept = [e for e in container.get("env", []) if e["name"] not in names]
+                container["env"] = kept + value
+            elif key != "name":
+                container[key] = value
+    return merged
 
 
 # --- as written ------------------------------------------------------------------
@@ -277,3 +301,24 @@ def test_component_builds_into_each_install(
     _check_ha(objects, where)
     if PROMETHEUS_OPERATOR in components:
         assert [o["kind"] for o in objects].count("ServiceMonitor") == 1, where
+
+
+def _check_max_connection_age(container: Mapping[str, Any], where: str) -> None:
+    """The component adds a maximum connection age to the environment, keeping the
+    base's; no grace, so no live subscription is ever ended for it."""
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    (base_container,) = _pod_spec(_base_deployment())["containers"]
+    base_env = {e["name"]: e.get("value") for e in base_container.get("env", [])}
+    aging = {name: value for name, value in env.items() if "MAX_CONNECTION_AGE" in name}
+    assert aging == {"JOBSIGNAL_MAX_CONNECTION_AGE": "3600"}, f"{where}: env {aging}"
+    assert {name: env[name] for name in base_env} == base_env, f"{where}: env changed"
+    config = load_config({}, {k: v for k, v in env.items() if isinstance(v, str)})
+    assert config.max_connection_age == 3600.0, where
+    assert config.max_connection_age_grace is None, f"{where}: a grace ends subscriptions"
+
+
+def _base_deployment() -> Obj:
+    (deployment,) = [
+        o for o in yaml.safe_load_all(BASE_DEPLOYMENT.read_text()) if o["kind"] == "Deployment"
+    ]
+    return deployment

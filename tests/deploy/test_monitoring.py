@@ -51,6 +51,7 @@ CLOSE_REASONS = frozenset(
         connections.KEEPALIVE_TIMEOUT,
         connections.PROTOCOL_ERROR,
         connections.INTERNAL_ERROR,
+        connections.MAX_AGE,
         guard.RAPID_RESET,
         guard.CONTROL_FLOOD,
     }
@@ -286,8 +287,10 @@ def test_the_alerts_are_those_promised() -> None:
     assert "reason" in by_reason.grouping_labels
     (selector,) = by_reason.selectors
     ((_, op, value),) = selector.matchers
-    # Every reason but the ordinary one and the one alerted on apart.
-    assert _matched_values(op, value) == CLOSE_REASONS - {"keepalive_timeout", "internal_error"}
+    # Every reason but the ordinary ones (a vanished client, a connection's maximum
+    # age) and the one alerted on apart.
+    ordinary = {"keepalive_timeout", "max_age", "internal_error"}
+    assert _matched_values(op, value) == CLOSE_REASONS - ordinary
 
 
 def test_the_rule_schema_is_strict() -> None:

@@ -488,12 +488,17 @@ COMPONENT_PURPOSES = {
     # Who may connect to which port, and the install itself unchanged.
     "networkpolicy": ComponentPurpose(adds=("NetworkPolicy",)),
     # Several replicas: a PodDisruptionBudget, and the Deployment's replica
-    # count and pod spreading.
+    # count, pod spreading and the container's environment (a maximum connection
+    # age: tests/deploy/test_ha.py checks it, and that the base's env is kept).
     "ha": ComponentPurpose(
         adds=("PodDisruptionBudget",),
         changes={
             ("Deployment", "jobsignal"): frozenset(
-                {"spec.replicas", "spec.template.spec.topologySpreadConstraints"}
+                {
+                    "spec.replicas",
+                    "spec.template.spec.topologySpreadConstraints",
+                    "spec.template.spec.containers",
+                }
             )
         },
     ),

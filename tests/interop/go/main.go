@@ -276,6 +276,7 @@ type options struct {
 	compress                                   bool
 	registerTries                              int
 	registerEvery, runFor                      time.Duration
+	resubscribes                               int
 }
 
 func parse(command string, args []string) options {
@@ -302,6 +303,7 @@ func parse(command string, args []string) options {
 	flags.IntVar(&o.registerTries, "register-tries", 20, "fdagent: Register attempts before giving up")
 	flags.DurationVar(&o.registerEvery, "register-every", 3*time.Second, "fdagent: time between Register attempts")
 	flags.DurationVar(&o.runFor, "run-for", 30*time.Second, "fdagent: how long both streams must stay open")
+	flags.IntVar(&o.resubscribes, "resubscribes", 1, "resubscribe: Register and Subscribe again this many times after a stream end")
 	flags.Parse(args)
 	if o.subscribeRole == "" {
 		o.subscribeRole = o.role
@@ -379,8 +381,13 @@ type receiver interface {
 	RecvMsg(m interface{}) error
 }
 
-func receive(o options, rpc string, stream receiver, list bool) {
+// receive reads the stream until it ends or -count messages have come in all
+// (counting `before`, those of earlier streams); it returns how many came in all.
+func receive(o options, rpc string, stream receiver, list bool, before ...int) int {
 	received := 0
+	if len(before) > 0 {
+		received = before[0]
+	}
 	for o.count == 0 || received < o.count {
 		var message proto.Message
 		if list {
@@ -390,7 +397,7 @@ func receive(o options, rpc string, stream receiver, list bool) {
 		}
 		if err := stream.RecvMsg(message); err != nil {
 			emitEnd(rpc, err) // io.EOF converts to OK
-			return
+			return received
 		}
 		received++
 		fields := map[string]interface{}{"size": proto.Size(message)}
@@ -409,6 +416,7 @@ func receive(o options, rpc string, stream receiver, list bool) {
 		emit("message", fields)
 	}
 	emit("done", map[string]interface{}{"received": received})
+	return received
 }
 
 // registerRetrying registers as -role, retrying failures -register-every apart.
@@ -522,6 +530,27 @@ func run(command string, o options) int {
 			return 0
 		}
 		receive(o, "SubscribeJobSummarySignal", stream, false)
+	case "resubscribe":
+		// Subscribe; on a stream end, Register and Subscribe again on the same
+		// ClientConn (a new connection once the old one had GOAWAY), until -count
+		// messages have come over all the streams.
+		received := 0
+		for again := 0; ; again++ {
+			stream, err := client.SubscribeJobSummarySignal(ctx, info)
+			if err != nil {
+				emitEnd("SubscribeJobSummarySignal", err)
+				return 0
+			}
+			received = receive(o, "SubscribeJobSummarySignal", stream, false, received)
+			if received >= o.count || again >= o.resubscribes {
+				return 0
+			}
+			id, ok := register(ctx, client, o.role)
+			if !ok {
+				return 0
+			}
+			info = &pb.ClientInfo{Role: o.subscribeRole, ClientId: id}
+		}
 	case "subscribe-list":
 		stream, err := client.SubscribeJobSummarySignalList(ctx, info)
 		if err != nil {
@@ -535,12 +564,12 @@ func run(command string, o options) int {
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: jobsignal-go-peer register|subscribe|subscribe-list|fdagent [flags]")
+		fmt.Fprintln(os.Stderr, "usage: jobsignal-go-peer register|subscribe|resubscribe|subscribe-list|fdagent [flags]")
 		os.Exit(2)
 	}
 	command := os.Args[1]
 	switch command {
-	case "register", "subscribe", "subscribe-list", "fdagent":
+	case "register", "subscribe", "resubscribe", "subscribe-list", "fdagent":
 	default:
 		fmt.Fprintf(os.Stderr, "unknown command %q\n", command)
 		os.Exit(2)
