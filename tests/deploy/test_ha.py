@@ -321,4 +321,5 @@ def _base_deployment() -> Obj:
     (deployment,) = [
         o for o in yaml.safe_load_all(BASE_DEPLOYMENT.read_text()) if o["kind"] == "Deployment"
     ]
-    return deployment
+    found: Obj = deployment
+    return found
