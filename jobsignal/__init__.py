@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
     from jobsignal.app import RunningJobsignal
     from jobsignal.app import run_jobsignal as serve
-    from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription, subscribe
+    from jobsignal.client import open_subscription, subscribe
+    from jobsignal.client_options import SubscribeFailed, SubscribeOptions
     from jobsignal.embed import watch_jobs
     from jobsignal.events import (
         EventKind,
@@ -61,8 +62,8 @@ _LAZY_NAMES = {
     "RunningJobsignal": "app",
     "JobSummarySignal": "_proto.job",
     "JobSummarySignalList": "_proto.job",
-    "SubscribeFailed": "client",
-    "SubscribeOptions": "client",
+    "SubscribeFailed": "client_options",
+    "SubscribeOptions": "client_options",
     "open_subscription": "client",
     "subscribe": "client",
     "watch_jobs": "embed",

@@ -26,12 +26,12 @@ import trio
 
 from jobsignal.config import Config, ConfigError
 from jobsignal.fanout import Broadcaster
-from jobsignal.file_limit import open_file_limit, shortfall
-from jobsignal.gc_pacing import GcPacing
-from jobsignal.heap import release_free_memory
 from jobsignal.kube.api import KubeApi, open_kube_client
 from jobsignal.kube.credentials import KubeConfigError, KubeConnection, discover
 from jobsignal.kube.watcher import Watcher, WatchSettings
+from jobsignal.process.file_limit import open_file_limit, shortfall
+from jobsignal.process.gc_pacing import GcPacing
+from jobsignal.process.heap import release_free_memory
 from jobsignal.rpc.connections import MAX_LINGERING_REFUSALS
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server

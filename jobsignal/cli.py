@@ -245,8 +245,8 @@ def _command(args: argparse.Namespace) -> int:
         import trio
 
         from jobsignal.app import run_jobsignal
-        from jobsignal.file_limit import raise_open_file_limit
         from jobsignal.logs import configure_logging
+        from jobsignal.process.file_limit import raise_open_file_limit
 
         config = load_config(vars(args), os.environ)
         configure_logging(config.log_level, config.log_format)

@@ -23,7 +23,6 @@ import logging
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
 from typing import TypeAlias, TypeVar
 
 import trio
@@ -34,11 +33,12 @@ from grpclib.const import Cardinality
 from grpclib.const import Status as GrpcStatus
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-import jobsignal.rpc  # noqa: F401  (grpclib on trio-asyncio: see jobsignal/rpc/__init__.py)
+import jobsignal.rpc  # noqa: F401  (grpclib bound to trio-asyncio, checked: jobsignal/rpc/__init__.py)
 from jobsignal._proto.grpc.health.v1 import HealthCheckRequest, HealthCheckResponse
 from jobsignal._proto.job import ClientInfo, JobSummarySignal, JobSummarySignalList, Status
-from jobsignal.backoff import Backoff
+from jobsignal.client_options import SubscribeFailed, SubscribeOptions, client_ssl_context
 from jobsignal.terminal import lone_exception
+from jobsignal.util.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -52,59 +52,7 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 FATAL_STATUSES = frozenset({GrpcStatus.INVALID_ARGUMENT, GrpcStatus.UNIMPLEMENTED})
 
 
-class SubscribeFailed(Exception):
-    """The server refused in a way retrying cannot fix; the message says why."""
-
-
-@dataclass(frozen=True)
-class SubscribeOptions:
-    """Where to subscribe and how; TLS when `tls` is set or any `tls_*` file is given.
-
-    `tls_ca` is a PEM CA bundle that verifies the server (empty: the system's
-    trust store), `tls_cert` and `tls_key` a PEM client certificate and key for
-    mutual TLS, `tls_server_name` the name the server's certificate must carry
-    (empty: `host`). `on_subscribed(client_id)` is called each time the client has
-    registered and sends its Subscribe request (again after every reconnect).
-    """
-
-    host: str
-    port: int
-    role: str
-    list_mode: bool = False
-    keepalive_time: float = 30.0
-    backoff_initial: float = 0.8
-    backoff_max: float = 30.0
-    tls: bool = False
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_server_name: str = ""
-    on_subscribed: Callable[[str], object] | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert and tls_key go together: give both or neither")
-
-    @property
-    def uses_tls(self) -> bool:
-        return self.tls or any((self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name))
-
-
 Signal: TypeAlias = JobSummarySignal | JobSummarySignalList
-
-
-def client_ssl_context(options: SubscribeOptions) -> ssl.SSLContext:
-    """The TLS context of `options`; SubscribeFailed when its files cannot be loaded."""
-    try:
-        context = ssl.create_default_context(cafile=options.tls_ca or None)
-        if options.tls_cert:
-            context.load_cert_chain(options.tls_cert, options.tls_key)
-    except (OSError, ssl.SSLError) as error:
-        files = ", ".join(f for f in (options.tls_ca, options.tls_cert, options.tls_key) if f)
-        raise SubscribeFailed(f"TLS: cannot load {files or 'the trust store'}: {error}") from None
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.set_alpn_protocols(["h2"])
-    return context
 
 
 def _server_name(options: SubscribeOptions) -> str:

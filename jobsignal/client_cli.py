@@ -18,16 +18,8 @@ from typing import TypeVar
 import trio
 
 from jobsignal._proto.job import JobSummarySignal, JobSummarySignalList
-from jobsignal.client import (
-    CallFailed,
-    Signal,
-    SubscribeFailed,
-    SubscribeOptions,
-    check_health,
-    client_ssl_context,
-    fetch_jobs,
-    open_subscription,
-)
+from jobsignal.client import CallFailed, Signal, check_health, fetch_jobs, open_subscription
+from jobsignal.client_options import SubscribeFailed, SubscribeOptions, client_ssl_context
 from jobsignal.config import (
     SUBSCRIBE_SETTINGS,
     TARGET_SETTING,
@@ -39,7 +31,7 @@ from jobsignal.config import (
 )
 from jobsignal.logs import configure_logging
 from jobsignal.terminal import emit, run, tell
-from jobsignal.text import cell, columns, human_age
+from jobsignal.util.text import cell, columns, human_age
 
 T = TypeVar("T")
 

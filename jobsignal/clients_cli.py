@@ -20,7 +20,7 @@ import trio
 from jobsignal.config import ConfigError, parse_listen
 from jobsignal.subscriptions_page import HEADERS, cells
 from jobsignal.terminal import emit, run, tell
-from jobsignal.text import clip, columns
+from jobsignal.util.text import clip, columns
 
 PATH = "/debug/subscriptions"
 METRICS_HINT = "--target is the server's --metrics-listen address, not its gRPC one"

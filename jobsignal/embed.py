@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from jobsignal.app import choose_connection, run_source
-from jobsignal.blocks import background_tasks
 from jobsignal.config import Config
 from jobsignal.events import JobEvents
 from jobsignal.fanout import Broadcaster
 from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
+from jobsignal.util.blocks import background_tasks
 
 
 @asynccontextmanager

@@ -1,7 +1,7 @@
 """Logging: set-up (readable lines, or one JSON object per line), and the
 helper every fault boundary uses: `RateLimitedLog` bounds how many lines one
 kind of fault can write, so a hostile peer cannot flood the log (how much of
-an untrusted value a line quotes is bounded by `jobsignal.text`).
+an untrusted value a line quotes is bounded by `jobsignal.util.text`).
 
 Both formats stamp lines in UTC, RFC 3339 with milliseconds
 (2026-12-01T09:00:00.123Z). JSON lines carry a record's `extra` fields as keys

@@ -31,8 +31,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from jobsignal.fanout.stats import FanoutStats
-from jobsignal.file_limit import ACCEPT_ERRORS
 from jobsignal.metrics_server import HTTP_ERROR_REASONS
+from jobsignal.process.file_limit import ACCEPT_ERRORS
 from jobsignal.store.configmap import REASONS as CONFIGMAP_REJECTION_REASONS
 from jobsignal.version import __version__
 

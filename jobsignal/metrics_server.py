@@ -51,12 +51,12 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from jobsignal.config import cannot_listen
-from jobsignal.file_limit import ACCEPT_CAPACITY_ERRNOS, WHY_ACCEPT_FAILED
 from jobsignal.logs import RateLimitedLog
+from jobsignal.process.file_limit import ACCEPT_CAPACITY_ERRNOS, WHY_ACCEPT_FAILED
 from jobsignal.rpc.limits import ConnectionCounter
 from jobsignal.rpc.subscriptions import BadPageRequest, PageRequest, SubscriptionPage
 from jobsignal.subscriptions_page import HTML_HEADERS, render_html
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 from jobsignal.version import __version__
 
 log = logging.getLogger(__name__)

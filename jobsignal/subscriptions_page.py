@@ -21,7 +21,7 @@ import html
 from collections.abc import Mapping
 from typing import Any
 
-from jobsignal.text import cell, human_age, human_bytes
+from jobsignal.util.text import cell, human_age, human_bytes
 
 REFRESH_SECONDS = 5
 

@@ -1,4 +1,4 @@
-"""`jobsignal.blocks`: background tasks for the length of an `async with` block."""
+"""`jobsignal.util.blocks`: background tasks for the length of an `async with` block."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from jobsignal.blocks import background_tasks, for_block
+from jobsignal.util.blocks import background_tasks, for_block
 
 
 async def test_the_blocks_own_exception_comes_out_unwrapped() -> None:

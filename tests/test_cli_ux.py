@@ -38,7 +38,7 @@ from jobsignal.config import (
 from jobsignal.fanout import Broadcaster
 from jobsignal.rpc.tls import TlsFiles
 from jobsignal.store.model import JobSummary
-from jobsignal.text import human_age
+from jobsignal.util.text import human_age
 from tests.support.factories import make_job, rank_table
 from tests.support.grpc_server import local_settings, open_jobsignal_server
 from tests.support.tls import write_pair

@@ -22,8 +22,9 @@ import trustme
 
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.cli import EXIT_USAGE, build_parser
-from jobsignal.client import SubscribeFailed, SubscribeOptions, open_subscription
+from jobsignal.client import open_subscription
 from jobsignal.client_cli import subscribe_options
+from jobsignal.client_options import SubscribeFailed, SubscribeOptions
 from jobsignal.config import ConfigError
 from jobsignal.rpc.tls import TlsFiles
 from tests.support.factories import make_job

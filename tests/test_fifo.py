@@ -1,4 +1,4 @@
-"""`jobsignal.fifo.Fifo.take`: a bulk popleft, checked against a deque."""
+"""`jobsignal.util.fifo.Fifo.take`: a bulk popleft, checked against a deque."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobsignal.fifo import Fifo
+from jobsignal.util.fifo import Fifo
 
 
 @settings(max_examples=300, deadline=None)

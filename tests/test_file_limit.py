@@ -1,4 +1,4 @@
-"""`jobsignal serve` and the process's limit of open files (jobsignal/file_limit.py).
+"""`jobsignal serve` and the process's limit of open files (jobsignal/process/file_limit.py).
 
 The real command in a child process whose limit is set before it starts, as
 a service manager would set it.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 import signal
 
-from jobsignal.file_limit import RESERVED_FILES, shortfall
 from jobsignal.metrics_server import MAX_CONNECTIONS as METRICS_CONNECTIONS
+from jobsignal.process.file_limit import RESERVED_FILES, shortfall
 from jobsignal.rpc.connections import MAX_LINGERING_REFUSALS
 from tests.test_cli import _read_until, running
 

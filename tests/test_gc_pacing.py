@@ -1,5 +1,5 @@
 """Full garbage collections stay short: survivors are frozen, everything is collected now and
-then (jobsignal/gc_pacing.py), in virtual time."""
+then (jobsignal/process/gc_pacing.py), in virtual time."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from jobsignal.gc_pacing import GcPacing
+from jobsignal.process.gc_pacing import GcPacing
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from jobsignal.logs import RateLimitedLog, RateLimitFilter, configure_logging
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 
 def test_quote_bounds_untrusted_values() -> None:

@@ -1,4 +1,4 @@
-"""The server gives a LIST's freed C heap pages back to the system (jobsignal/heap.py).
+"""The server gives a LIST's freed C heap pages back to the system (jobsignal/process/heap.py).
 
 `release_free_memory` is glibc's `malloc_trim(0)`: the first test shows that
 pages freed below a live allocation, which glibc keeps on its own, leave the
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from jobsignal import app, heap
+from jobsignal import app
+from jobsignal.process import heap
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.sim.emulator import ExpireWatch, KubeEmulator
 from tests.support.cluster import Cluster

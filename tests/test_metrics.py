@@ -27,12 +27,13 @@ from prometheus_client.samples import Sample
 import jobsignal
 from jobsignal._proto.job import JobSummarySignal
 from jobsignal.app import RunningJobsignal, run_jobsignal
-from jobsignal.client import SubscribeOptions, subscribe
+from jobsignal.client import subscribe
+from jobsignal.client_options import SubscribeOptions
 from jobsignal.config import load_config
 from jobsignal.fanout.stats import FanoutStats, Histogram
-from jobsignal.file_limit import ACCEPT_ERRORS
 from jobsignal.kube.watcher import WatchCounters
 from jobsignal.metrics import BuildInfo, MetricSources, build_registry
+from jobsignal.process.file_limit import ACCEPT_ERRORS
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.sim.emulator import open_emulator
 from jobsignal.sim.emulator.server import ExpireWatch, HttpError

@@ -26,7 +26,7 @@ from jobsignal.rpc.session import Sessions, SessionSettings
 from jobsignal.rpc.subscriptions import PageRequest, SubscriptionPage, SubscriptionRow
 from jobsignal.store.model import JobKey
 from jobsignal.subscriptions_page import HEADERS, cells
-from jobsignal.text import human_bytes
+from jobsignal.util.text import human_bytes
 from tests.support.grpcio import GrpcioClients
 from tests.support.subscriptions import (
     JOB,

@@ -1,11 +1,11 @@
-"""jobsignal's UUIDs (jobsignal/uuids.py) are the standard library's, character for character."""
+"""jobsignal's UUIDs (jobsignal/util/uuids.py) are the standard library's, to the character."""
 
 from __future__ import annotations
 
 import random
 import uuid
 
-from jobsignal.uuids import name_uuid, random_uuid
+from jobsignal.util.uuids import name_uuid, random_uuid
 
 
 def test_name_uuids_are_uuid5() -> None:

@@ -49,7 +49,7 @@ from jobsignal.fanout.subscriber import (
 )
 from jobsignal.logs import RateLimitedLog
 from jobsignal.store.model import JobKey, JobSummary, event_id
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 log = logging.getLogger(__name__)
 

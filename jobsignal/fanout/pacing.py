@@ -33,8 +33,8 @@ import trio
 
 from jobsignal.fanout.stats import FanoutStats
 from jobsignal.fanout.subscriber import UNIQUE, QueueEntry, Subscriber
-from jobsignal.fifo import Fifo
 from jobsignal.logs import RateLimitedLog
+from jobsignal.util.fifo import Fifo
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)

@@ -26,9 +26,9 @@ from typing import Generic, TypeVar
 import trio
 
 from jobsignal.fanout.stats import FanoutStats
-from jobsignal.fifo import Fifo
 from jobsignal.logs import RateLimitedLog
 from jobsignal.store.model import JobSummary
+from jobsignal.util.fifo import Fifo
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 from jobsignal.kube.exec_plugin import API_VERSIONS, ExecPlugin, exec_info
 from jobsignal.kube.proxies import ProxyConfigError, proxy_for
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 if TYPE_CHECKING:
     from jobsignal.kube.exec_credentials import ExecCredentials

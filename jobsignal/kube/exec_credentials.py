@@ -38,7 +38,7 @@ from typing import Any
 import trio
 
 from jobsignal.kube.exec_plugin import ExecCredentialError, ExecPlugin
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 __all__ = ["EXEC_INFO_ENV", "MAX_STDOUT", "RUN_TIMEOUT", "ExecCredential", "ExecCredentials"]
 

@@ -22,8 +22,6 @@ from typing import Any, Protocol
 import trio
 import trio.lowlevel
 
-from jobsignal.backoff import Backoff
-from jobsignal.blocks import background_tasks
 from jobsignal.config import LayerSettings, from_setting
 from jobsignal.kube.api import (
     ApiError,
@@ -41,7 +39,9 @@ from jobsignal.status import SourceStatus
 from jobsignal.store import JobStore
 from jobsignal.store.configmap import BadConfigMap
 from jobsignal.store.jobs import MAX_JOINED_RANK_TABLE_CHARS, Changes
-from jobsignal.text import quote
+from jobsignal.util.backoff import Backoff
+from jobsignal.util.blocks import background_tasks
+from jobsignal.util.text import quote
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 
-from jobsignal.client import SubscribeFailed, SubscribeOptions, client_ssl_context
+from jobsignal.client_options import SubscribeFailed, SubscribeOptions, client_ssl_context
 from jobsignal.config import ConfigError, LayerSettings, from_setting
 
 

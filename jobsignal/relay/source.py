@@ -27,7 +27,6 @@ from typing import Protocol
 import trio
 import trio.lowlevel
 
-from jobsignal.backoff import Backoff
 from jobsignal.logs import RateLimitedLog
 from jobsignal.relay.settings import RelaySettings
 from jobsignal.relay.state import MAX_JOBS, RelayedJobs, Resync
@@ -36,7 +35,8 @@ from jobsignal.relay.wire import Malformed, SignalList, decode_list
 from jobsignal.source import Publish
 from jobsignal.status import SourceStatus
 from jobsignal.store.jobs import Changes
-from jobsignal.text import quote
+from jobsignal.util.backoff import Backoff
+from jobsignal.util.text import quote
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from jobsignal.store.configmap import (
 )
 from jobsignal.store.jobs import MAX_JOINED_RANK_TABLE_CHARS, Changes, checked_parse
 from jobsignal.store.model import JobKey, JobSummary
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 #: A uuid longer than this is refused (a UUID is 36 characters).
 MAX_UUID_CHARS = 64

@@ -33,10 +33,10 @@ import h2.exceptions
 import h2.settings
 import trio
 
-from jobsignal.blocks import background_tasks
 from jobsignal.relay.settings import RelaySettings
 from jobsignal.relay.wire import Malformed, Status, decode_status, encode_client_info
-from jobsignal.text import quote
+from jobsignal.util.blocks import background_tasks
+from jobsignal.util.text import quote
 from jobsignal.version import __version__
 
 log = logging.getLogger(__name__)

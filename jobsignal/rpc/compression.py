@@ -19,7 +19,7 @@ import zlib
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 # zlib's window bits for each encoding: gzip with its header and trailer, and
 # deflate in the zlib format (RFC 1950), as gRPC core and grpc-java send it.

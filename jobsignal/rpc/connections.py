@@ -73,7 +73,7 @@ from jobsignal.rpc.max_age import (
     Stage,
 )
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)

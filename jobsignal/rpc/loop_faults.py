@@ -30,8 +30,8 @@ from asyncio.constants import ACCEPT_RETRY_DELAY
 from collections import Counter
 from typing import Any
 
-from jobsignal.file_limit import ACCEPT_CAPACITY_ERRNOS, WHY_ACCEPT_FAILED
 from jobsignal.logs import RateLimitedLog
+from jobsignal.process.file_limit import ACCEPT_CAPACITY_ERRNOS, WHY_ACCEPT_FAILED
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)

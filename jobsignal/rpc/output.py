@@ -31,9 +31,9 @@ import trio
 from grpclib.exceptions import StreamTerminatedError
 from grpclib.protocol import Connection
 
-from jobsignal.fifo import Fifo
 from jobsignal.logs import RateLimitedLog
 from jobsignal.rpc import _grpclib
+from jobsignal.util.fifo import Fifo
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)

@@ -22,7 +22,7 @@ from typing import Any
 from grpclib.const import Status
 
 from jobsignal.config import Config
-from jobsignal.uuids import random_uuid
+from jobsignal.util.uuids import random_uuid
 
 
 class Refused(Exception):

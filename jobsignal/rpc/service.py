@@ -33,7 +33,7 @@ from jobsignal.rpc.registry import Refused, Registry, RegistryFull
 from jobsignal.rpc.requests import read_client_info
 from jobsignal.rpc.session import Sessions, SessionSettings, StreamEnd, StreamRequest
 from jobsignal.rpc.writer import StreamWriter
-from jobsignal.text import clip
+from jobsignal.util.text import clip
 
 log = logging.getLogger(__name__)
 fault_log = RateLimitedLog(log)

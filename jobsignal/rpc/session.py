@@ -39,7 +39,7 @@ from jobsignal.fanout import Broadcaster, EndReason, StreamKind
 from jobsignal.fanout.subscriber import UNIQUE, QueueEntry
 from jobsignal.rpc.activity import ConnectionActivity
 from jobsignal.rpc.registry import Claim, Refused, Registry
-from jobsignal.text import clip
+from jobsignal.util.text import clip
 
 log = logging.getLogger(__name__)
 

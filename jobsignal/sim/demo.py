@@ -19,7 +19,7 @@ import trio
 
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
 from jobsignal.sim.emulator import ConfigMapStore, KubeEmulator, run_emulator
-from jobsignal.uuids import random_uuid
+from jobsignal.util.uuids import random_uuid
 
 log = logging.getLogger(__name__)
 

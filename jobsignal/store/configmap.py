@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobsignal.store import strict_json
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 # The Kubernetes limit is 1 MiB per ConfigMap; anything far beyond it did not
 # come from ClusterD and is refused before it costs a JSON parse. Characters.

@@ -40,7 +40,7 @@ from jobsignal.store.configmap import (
     parse_slice,
 )
 from jobsignal.store.model import JobKey, JobSummary
-from jobsignal.text import quote
+from jobsignal.util.text import quote
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 

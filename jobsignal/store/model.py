@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from jobsignal.uuids import name_uuid
+from jobsignal.util.uuids import name_uuid
 
 OPERATOR_ADD = "add"
 OPERATOR_DELETE = "delete"

@@ -27,7 +27,6 @@ import pytest
 import trio
 import trio.testing
 
-from jobsignal.backoff import Backoff
 from jobsignal.kube.credentials import TokenSource
 from jobsignal.kube.watcher import WatchSettings
 from jobsignal.sim.clusterd import JOB_LABELS, ClusterdJob
@@ -43,6 +42,7 @@ from jobsignal.sim.emulator import (
 )
 from jobsignal.status import SourceStatus
 from jobsignal.store import jobs
+from jobsignal.util.backoff import Backoff
 from tests.support.cluster import SELECTOR, Cluster, expected_summary, hccl
 from tests.support.events import assert_no_duplicates, assert_replays
 from tests.support.factories import clusterd_job

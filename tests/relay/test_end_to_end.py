@@ -16,7 +16,8 @@ from pathlib import Path
 import trio
 
 from jobsignal.app import RunningJobsignal
-from jobsignal.client import SubscribeOptions, check_health
+from jobsignal.client import check_health
+from jobsignal.client_options import SubscribeOptions
 from jobsignal.relay.source import Relay
 from jobsignal.sim.clusterd import ClusterdJob
 from jobsignal.sim.emulator import open_emulator

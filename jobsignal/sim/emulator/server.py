@@ -23,7 +23,6 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import h11
 import trio
 
-from jobsignal.blocks import for_block
 from jobsignal.sim.emulator.state import (
     ConfigMap,
     ConfigMapStore,
@@ -37,7 +36,8 @@ from jobsignal.sim.emulator.state import (
     Subscription,
     default_reason,
 )
-from jobsignal.uuids import random_uuid
+from jobsignal.util.blocks import for_block
+from jobsignal.util.uuids import random_uuid
 
 #: Besides the periodic ones, the API server sends a bookmark just before a watch
 #: times out (it aims about two seconds early), so the client can resume from it.

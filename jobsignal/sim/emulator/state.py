@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import trio
 
-from jobsignal.uuids import random_uuid
+from jobsignal.util.uuids import random_uuid
 
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
 
