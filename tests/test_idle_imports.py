@@ -14,14 +14,12 @@ plugin runner.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from tests.support.cluster import write_kubeconfig
+from tests.support.interpreter import report_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,21 +49,6 @@ async def main():
 
 trio.run(main)
 """
-
-
-def report_of(script: str, *args: str) -> dict[str, Any]:
-    """What `script` prints last, as JSON, run in a fresh interpreter."""
-    done = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return report
 
 
 def test_a_serving_server_loads_neither_protobuf_nor_yaml() -> None:

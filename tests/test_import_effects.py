@@ -19,10 +19,9 @@ explicitly (`run_jobsignal(settle_memory=True)`) and tested here too.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
+
+from tests.support.interpreter import report_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,19 +139,6 @@ print(json.dumps({
 '''
 
 
-def run(script: str, *args: str) -> Any:
-    done = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 # Caches that a module fills in its own namespace on first use, whoever uses it.
 LAZY_CACHES = [
     "httpx._transports.default.HTTPCORE_EXC_MAP",  # httpx's first transport
@@ -163,9 +149,9 @@ LAZY_CACHES = [
 
 
 def test_importing_and_embedding_jobsignal_leaves_the_process_as_it_was() -> None:
-    dependencies = run(LOADED_BY_IMPORT)
+    dependencies = report_of(LOADED_BY_IMPORT)
     assert "trio_asyncio" in dependencies and "grpclib" in dependencies  # (what is compared)
-    report = run(RECORD, json.dumps(dependencies), " ".join(LAZY_CACHES))
+    report = report_of(RECORD, json.dumps(dependencies), " ".join(LAZY_CACHES))
     assert report == {
         "changed_modules": [],
         "planted": [],

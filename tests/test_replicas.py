@@ -28,6 +28,7 @@ from tests.support.events import Event, event_of, events_of, wait_for_events
 from tests.support.factories import clusterd_job, configmap
 from tests.support.grpcio import GrpcioClients, GrpcioStream
 from tests.support.kube_server import open_kube_server, subscribe
+from tests.support.lifecycle import Lifecycle
 from tests.support.waiting import wait_until
 
 JOB = ClusterdJob("training", "resnet50", "6f1c1d0e-0000-4000-8000-000000000001", servers=2)
@@ -159,13 +160,9 @@ async def test_two_replicas_send_the_same_events_with_the_same_ids(
 ) -> None:
     async with open_emulator(token=TOKEN) as emu:
         cluster = Cluster(emu.state)
-        early = clusterd_job("early")
-        cluster.write(early, "running")  # in both replicas' first LIST
-        split, single, marker = (
-            clusterd_job("split", servers=3, servers_per_configmap=2),
-            clusterd_job("b"),
-            clusterd_job("m"),
-        )
+        lifecycle = Lifecycle()
+        lifecycle.before(cluster)  # in both replicas' first LIST
+        marker = lifecycle.marker
         async with (
             trio.open_nursery() as nursery,
             open_kube_server(emu, tmp_path, ready=True, shutdown_grace="1") as one,
@@ -176,14 +173,7 @@ async def test_two_replicas_send_the_same_events_with_the_same_ids(
                 await subscribe(grpc_clients, server, nursery, "FdAgent", timeout=30)
                 for server in (one, two)
             ]
-            cluster.write(split, "pending")
-            cluster.write(split, "running")  # three ConfigMaps rewritten one by one
-            cluster.write(single, "pending")
-            cluster.write(early, "complete")
-            cluster.write(early, "complete", "delete", 1_700_000_900)  # ClusterD's delete
-            cluster.write(single, "running")
-            cluster.remove(single)  # vanished: each replica stamps the delete itself
-            cluster.write(marker, "pending")
+            lifecycle.drive(cluster)
             final = expected_summary(marker, "pending")
             seen = [
                 await wait_for_events(
@@ -201,17 +191,7 @@ async def test_two_replicas_send_the_same_events_with_the_same_ids(
     assert [comparable(e) for e in first] == [comparable(e) for e in second]
     assert [e.uuid for e in first] == [event_id(e.job) for e in first]
     names = [(e.job.job_name, e.job.job_status, e.job.operator) for e in first]
-    assert names == [
-        ("early", "running", "add"),
-        ("split", "pending", "add"),
-        ("split", "running", "add"),
-        ("b", "pending", "add"),
-        ("early", "complete", "add"),
-        ("early", "complete", "delete"),
-        ("b", "running", "add"),
-        ("b", "running", "delete"),
-        ("m", "pending", "add"),
-    ]
+    assert names == list(Lifecycle.EVENTS)
     # Everything but the made-up delete of the vanished job is equal field for field.
     assert [e.job for e in first if e.job.job_name != "b" or not e.job.is_deleted] == [
         e.job for e in second if e.job.job_name != "b" or not e.job.is_deleted

@@ -27,6 +27,7 @@ from tests.support.events import Event, event_of, events_of, wait_for_events
 from tests.support.factories import clusterd_job
 from tests.support.grpcio import GrpcioClients, GrpcioStream
 from tests.support.kube_server import open_kube_server, subscribe
+from tests.support.lifecycle import Lifecycle
 from tests.support.relay import open_relay_server, serve_upstream
 from tests.support.waiting import wait_until
 
@@ -53,13 +54,9 @@ async def test_a_relay_serves_its_upstreams_events_with_the_upstreams_uuids(
 ) -> None:
     async with open_emulator(token=TOKEN) as emu:
         cluster = Cluster(emu.state)
-        early = clusterd_job("early")
-        cluster.write(early, "running")  # in the snapshot of both tiers
-        split, single, marker = (
-            clusterd_job("split", servers=3, servers_per_configmap=2),
-            clusterd_job("b"),
-            clusterd_job("m"),
-        )
+        lifecycle = Lifecycle()
+        lifecycle.before(cluster)  # in the snapshot of both tiers
+        marker = lifecycle.marker
         async with (
             trio.open_nursery() as nursery,
             open_kube_server(emu, tmp_path, ready=True, shutdown_grace="1") as upstream,
@@ -68,14 +65,7 @@ async def test_a_relay_serves_its_upstreams_events_with_the_upstreams_uuids(
             direct = await subscribe(grpc_clients, upstream, nursery, "FdAgent")
             relayed = await subscribe(grpc_clients, relay, nursery, "FdAgent")
             relayed_list = await subscribe(grpc_clients, relay, nursery, "CCAgent", as_list=True)
-            cluster.write(split, "pending")
-            cluster.write(split, "running")
-            cluster.write(single, "pending")
-            cluster.write(early, "complete")
-            cluster.write(early, "complete", "delete", 1_700_000_900)
-            cluster.write(single, "running")
-            cluster.remove(single)  # vanished: the upstream stamps the delete
-            cluster.write(marker, "pending")
+            lifecycle.drive(cluster)
             seen = [
                 await wait_for_events(stream, last_is(marker, "pending"), what="the marker")
                 for stream in (direct, relayed)
@@ -90,17 +80,7 @@ async def test_a_relay_serves_its_upstreams_events_with_the_upstreams_uuids(
     assert list_events(relayed_list)[0] == at_upstream[0]  # the List snapshot: the early job
     assert list_events(relayed_list)[1:] == at_upstream[1:]
     names = [(e.job.job_name, e.job.job_status, e.job.operator) for e in at_relay]
-    assert names == [
-        ("early", "running", "add"),
-        ("split", "pending", "add"),
-        ("split", "running", "add"),
-        ("b", "pending", "add"),
-        ("early", "complete", "add"),
-        ("early", "complete", "delete"),
-        ("b", "running", "add"),
-        ("b", "running", "delete"),
-        ("m", "pending", "add"),
-    ]
+    assert names == list(Lifecycle.EVENTS)
 
 
 async def test_through_an_upstream_restart_subscribers_see_exactly_the_changes(
