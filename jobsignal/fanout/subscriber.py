@@ -153,6 +153,11 @@ class BoundedQueue(Generic[P]):
         return self._compose_owed is not None
 
     @property
+    def sending_snapshot(self) -> bool:
+        """A snapshot is owed, or composed and not all taken yet."""
+        return self._compose_owed is not None or self._owed > 0
+
+    @property
     def pending_bytes(self) -> int:
         return self._pending_bytes
 

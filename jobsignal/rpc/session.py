@@ -46,6 +46,14 @@ log = logging.getLogger(__name__)
 # Messages written per batch: large enough to amortise a write, small enough
 # that one batch never hogs the loop.
 MAX_BATCH = 256
+# Snapshots composed and written at once. Each is a burst of messages (one per
+# job, or a List's batches); a thousand subscribers arriving together would
+# otherwise each take a loop turn for their slices, and the live events of the
+# subscribers already there would wait behind all of them (docs/architecture.md
+# section 6, "Owed snapshots"). A client that does not read holds its turn until
+# --send-timeout ends it; one address holds at most --max-subscriptions-per-role-
+# per-ip (10) streams of a role, so it cannot take every turn.
+SNAPSHOTS_AT_ONCE = 32
 
 # Writes a batch to the client; True when it went out without waiting for
 # HTTP/2 flow control or the socket (`rpc.writer.StreamWriter.write`). It
@@ -193,6 +201,9 @@ class Sessions:
         self._live: dict[int, Session] = {}
         self._serials = itertools.count(1)
         self._wake_timer: trio.CancelScope | None = None
+        # Snapshots composed and written at once; the rest wait their turn, so that
+        # a crowd of subscribers arriving together cannot crowd out live events.
+        self.snapshots = trio.CapacityLimiter(SNAPSHOTS_AT_ONCE)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -426,27 +437,14 @@ class Session:
         """The session's task: write what is queued, then return, parked, or clean
         up if the stream has ended."""
         subscriber = self.subscriber
-        stats = self.sessions.broadcaster.stats
-        send = self.request.send
         try:
             with trio.CancelScope() as scope:
                 subscriber.attach(scope)
-                await subscriber.compose_snapshot()  # first, if one is owed
-                while subscriber.end_reason is None:
-                    frames, seen = subscriber.take(MAX_BATCH)
-                    if not frames:
-                        subscriber.park()
-                        break
-                    try:
-                        at_once = await send(frames)
-                    except SendTimedOut:
-                        subscriber.end(EndReason.SLOW)
-                        break
-                    if at_once:
-                        stats.batches_written_at_once += 1
-                    else:
-                        stats.batches_written_waiting += 1
-                    self._delivered(len(frames), subscriber.last_taken, seen)
+                if subscriber.sending_snapshot:  # first, in turn with other streams'
+                    async with self.sessions.snapshots:
+                        await subscriber.compose_snapshot()
+                        await self._send_queued(until_snapshot_sent=True)
+                await self._send_queued(until_snapshot_sent=False)
             subscriber.attach(None)
         except Exception as error:  # freed now; the handler answers INTERNAL and logs it
             self.finish(error)
@@ -455,6 +453,29 @@ class Session:
             self._running = False
             if subscriber.end_reason is not None:  # also when cancelled with the server
                 self.finish()
+
+    async def _send_queued(self, *, until_snapshot_sent: bool) -> None:
+        """Write what is queued, a batch at a time, until none is left (then park) or
+        the stream ends; with `until_snapshot_sent`, only until the snapshot is out."""
+        subscriber = self.subscriber
+        stats = self.sessions.broadcaster.stats
+        while subscriber.end_reason is None:
+            if until_snapshot_sent and not subscriber.sending_snapshot:
+                return
+            frames, seen = subscriber.take(MAX_BATCH)
+            if not frames:
+                subscriber.park()
+                return
+            try:
+                at_once = await self.request.send(frames)
+            except SendTimedOut:
+                subscriber.end(EndReason.SLOW)
+                return
+            if at_once:
+                stats.batches_written_at_once += 1
+            else:
+                stats.batches_written_waiting += 1
+            self._delivered(len(frames), subscriber.last_taken, seen)
 
     def finish(self, error: Exception | None = None) -> None:
         """Release everything the stream held and tell `done` (once)."""
