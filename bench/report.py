@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import real_path_report
 from bench.profiling import ProfileSummary, summarize_cprofile, summarize_speedscope
 
 REPORT_NAME = "REPORT.md"
@@ -225,6 +226,7 @@ class Report:
                 self.add(f"- scenario failed: `{name}`: {error}")
             self.add("")
         self.machine()
+        self.lines += real_path_report.markdown(self.r, self.out)
         self.summary()
         self.targets()
         self.details()
@@ -1491,6 +1493,7 @@ def _answer_cell(row: dict[str, Any]) -> str:
 
 def write_report(results: dict[str, Any], out: Path) -> Path:
     _plots(results, out)
+    real_path_report.plots(results, out)
     text = Report(results, out).build()
     path = out / REPORT_NAME
     path.write_text(text)
