@@ -266,10 +266,10 @@ class KubeJobs:
             if not job.slices:
                 del self.jobs[key]
             last = job.last
-            if last is not None and last["operator"] != "delete":
-                if len(job.slices) < int(last["total"] or 1):
-                    job.last = {**last, "operator": "delete"}
-                    self.publish(key, job.last)
+            lost = last is not None and len(job.slices) < int(last["total"] or 1)
+            if last is not None and lost and last["operator"] != "delete":
+                job.last = {**last, "operator": "delete"}
+                self.publish(key, job.last)
             return
         if current != job.last:
             job.last = current

@@ -115,7 +115,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         0,
     )
     check("real_path_60k", "60,000/s offered: p99 < 100 ms", jobsignal("p99_ms"), 100)
-    check("real_path_700kb", "700 KB to 1,000 connections: p99 < 1,000 ms", jobsignal("p99_ms"), 1000)
+    check(
+        "real_path_700kb", "700 KB to 1,000 connections: p99 < 1,000 ms", jobsignal("p99_ms"), 1000
+    )
     return checks
 
 

@@ -32,7 +32,6 @@ from bench import gobuild, machine
 from bench.common import STUBS_ENV, generate_stubs
 from bench.events import make_jobs, signal_fields
 from bench.figures import fairness, latency_summary, median
-from bench.real_path import FULL_REAL_PATH, QUICK_REAL_PATH, RealPath, run_scenario
 from bench.procs import (
     REPO,
     Child,
@@ -43,6 +42,7 @@ from bench.procs import (
     split_cpus,
     wait_for,
 )
+from bench.real_path import FULL_REAL_PATH, QUICK_REAL_PATH, RealPath, run_scenario
 
 SERVERS = ("jobsignal", "reference")
 SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.reference_server"}
@@ -218,8 +218,8 @@ QUICK = Sizes(
     go_sample_every=1,
     real_path=QUICK_REAL_PATH,
     real_path_runs=1,
-    real_path_warmup=0.3,
-    real_path_window=0.6,
+    real_path_warmup=0.2,
+    real_path_window=0.5,
 )
 
 
