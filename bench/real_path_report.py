@@ -153,7 +153,12 @@ def markdown(results: dict[str, Any], out: Path) -> list[str]:
     ]
     checks = targets(results)
     if checks:
-        lines += ["Issue 35's targets (jobsignal, same runs):", ""]
+        quick = (
+            " (a --quick run: tiny sizes, the verdicts mean nothing)"
+            if results.get("quick")
+            else ""
+        )
+        lines += [f"Issue 35's targets (jobsignal, same runs){quick}:", ""]
         for what, got, met in checks:
             verdict = "not measured" if met is None else ("met" if met else "**not met**")
             lines.append(f"- {what}: {got} — {verdict}")
