@@ -1,4 +1,8 @@
-"""`python -m bench [--quick] [--out DIR]`: run every scenario, then write the report.
+"""`python -m bench [--quick] [--out DIR] [--only S,...] [--merge]`: scenarios, then the report.
+
+`--only real_path` runs the real-path family (bench/real_path.py), `--only
+real_path_20k` one of them; `--merge` keeps the other scenarios' figures
+already in `--out/results.json`.
 
 The orchestrator (this process) starts every server, load generator and
 cluster as a separate process on 127.0.0.1, talks to them over pipes
