@@ -66,6 +66,10 @@ class RealPath:
     # slow server's late messages are measured, not cut off).
     window: float = 0.0
     drain: float = 0.0
+    # FdAgent subscribers (one more load generator, on `connections` connections
+    # of its own) that arrive all at once a third into the window, while the
+    # others are measured: does serving their snapshots delay the live events?
+    arrivals: int = 0
     # What the rank table weighs, for the report.
     table: str = ""
 
@@ -88,6 +92,7 @@ FULL_REAL_PATH = (
     RealPath("60k", 1000, 20, 60.0, servers=2, jobs=64, table="1 KB"),
     RealPath("50kb", 1000, 20, 2.0, servers=91, jobs=16, table="50 KB"),
     RealPath("5k", 5000, 1000, 4.0, servers=2, jobs=64, table="1 KB"),
+    RealPath("arrive", 1000, 20, 20.0, servers=2, jobs=64, window=9.0, arrivals=1000, table="1 KB"),
     # One 700 MB fan-out every 4 s (changes at 4, 8 and 12 s of the churn), each
     # with 4 s or more inside the window to reach every subscriber.
     RealPath(
@@ -101,6 +106,7 @@ QUICK_REAL_PATH = (
     RealPath("60k", 4, 2, 40.0, servers=2, jobs=8, table="1 KB"),
     RealPath("50kb", 4, 2, 10.0, servers=91, jobs=4, table="50 KB"),
     RealPath("5k", 8, 8, 10.0, servers=2, jobs=8, table="1 KB"),
+    RealPath("arrive", 4, 2, 20.0, servers=2, jobs=8, window=0.9, arrivals=4, table="1 KB"),
     RealPath(
         "700kb", 4, 4, 10.0, servers=40, jobs=2, per_configmap=15, drain=0.2, table="22 KB, split"
     ),
@@ -211,11 +217,17 @@ def one_run(bench: Bench, spec: RealPath, kind: str, window: float) -> dict[str,
         meter.start()
         window_start_ns = time.time_ns()
         measured_start = time.perf_counter()
-        time.sleep(window - spec.drain)
+        arrived: dict[str, Any] | None = None
+        late: Child | None = None
+        if spec.arrivals:
+            time.sleep(window / 3)
+            late, arrived = arrive(bench, children, server, spec, window_start_ns)
+        time.sleep(max(0.0, measured_start + window - spec.drain - time.perf_counter()))
         cluster.request({"cmd": "mode", "mode": "idle"})
         time.sleep(spec.drain)
         after = client.request({"cmd": "per_subscriber"})
         count_after = client.request({"cmd": "count"})
+        late_count = late.request({"cmd": "count"}) if late is not None else None
         measured = time.perf_counter() - measured_start
         window_end_ns = time.time_ns()
         server_cores, cluster_cores = meter.stop()
@@ -224,6 +236,11 @@ def one_run(bench: Bench, spec: RealPath, kind: str, window: float) -> dict[str,
         pairs = collect_samples(bench, client)
     in_window = [(t, lat) for t, lat in pairs if window_start_ns <= t <= window_end_ns]
     received = count_after["received"] - count_before["received"]
+    if arrived is not None and late_count is not None:
+        # Their messages (snapshots and live) are deliveries of the window too.
+        arrived["received"] = late_count["received"]
+        arrived["loadgen_errors"] = late_count["errors"]
+        received += late_count["received"]
     live = [
         (a - a_snap) - (b - b_snap)
         for a, a_snap, b, b_snap in zip(
@@ -250,9 +267,38 @@ def one_run(bench: Bench, spec: RealPath, kind: str, window: float) -> dict[str,
         "timeline": timeline(in_window, window_start_ns, window_end_ns),
         "fairness": fairness(live, spec.connections or spec.subscribers),
         "snapshot": snapshot_figures(spec, at_up, before, after),
+        "arrivals": arrived,
         "loadgen_errors": count_after["errors"],
         "loadgen_ended": count_after["ended"],
         "rss_bytes": server.rss_bytes() if server.proc.poll() is None else None,
+    }
+
+
+def arrive(
+    bench: Bench, children: list[Child], server: Child, spec: RealPath, window_start_ns: int
+) -> tuple[Child, dict[str, Any]]:
+    """`spec.arrivals` FdAgent subscribers at once (a load generator of their own):
+    how long until the server has them all up, and what each had by then."""
+    started = time.perf_counter()
+    started_ns = time.time_ns()
+    late = bench.go_clients(
+        children,
+        server,
+        spec.arrivals,
+        spec.connections,
+        sample_every=1_000_000_000,  # their latency is not measured
+        extra=("--fdagent-every", "1"),
+    )
+    up_s = time.perf_counter() - started
+    counts = late.request({"cmd": "per_subscriber"})["received"]
+    return late, {
+        "subscribers": spec.arrivals,
+        "at_s": (started_ns - window_start_ns) / 1e9,  # into the window
+        "all_up_s": up_s,
+        # Messages per arriving stream when the server had them all up: its
+        # snapshot (the jobs) if the server sends it first.
+        "at_up_min": min(counts, default=0),
+        "at_up_median": median([float(c) for c in counts]),
     }
 
 

@@ -116,6 +116,12 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     )
     check("real_path_60k", "60,000/s offered: p99 < 100 ms", jobsignal("p99_ms"), 100)
     check(
+        "real_path_arrive",
+        "1,000 FdAgent subscribers arriving at once: the others' p99 < 50 ms",
+        jobsignal("p99_ms"),
+        50,
+    )
+    check(
         "real_path_700kb", "700 KB to 1,000 connections: p99 < 1,000 ms", jobsignal("p99_ms"), 1000
     )
     return checks
@@ -215,6 +221,21 @@ def details(key: str, section: dict[str, Any], out: Path) -> list[str]:
                 )
                 + " |"
             )
+    for kind in ORDER:
+        arrivals = [
+            row["arrivals"]
+            for row in section["servers"].get(kind, {}).get("runs", [])
+            if row.get("arrivals")
+        ]
+        if arrivals:
+            lines.append(
+                f"- {NAMES[kind]}: {arrivals[0]['subscribers']:,} FdAgent subscribers arrive"
+                f" {arrivals[0]['at_s']:.1f} s into the window; all up after "
+                + ", ".join(f"{a['all_up_s']:.2f}" for a in arrivals)
+                + " s; messages per arriving stream when all were up (min / median): "
+                + ", ".join(f"{a['at_up_min']} / {a['at_up_median']:g}" for a in arrivals)
+                + f" (the snapshot is {spec['jobs']})."
+            )
     ours, go = figure(section, "jobsignal", "us_per_msg"), figure(section, "go", "us_per_msg")
     aio = figure(section, "reference", "us_per_msg")
     lines += [
@@ -260,6 +281,15 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
                     linewidth=0.9,
                     label="max per slice" if index == 0 else None,
                 )
+                if row.get("arrivals"):
+                    axis.axvline(
+                        row["arrivals"]["at_s"],
+                        color="grey",
+                        alpha=alpha,
+                        linewidth=0.8,
+                        linestyle="--",
+                        label="FdAgent subscribers arrive" if index == 0 else None,
+                    )
                 axis.plot(
                     series["t_s"],
                     series["p50_ms"],

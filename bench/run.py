@@ -1410,12 +1410,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.run_all(only)
     results = bench.results
     results["machine"]["load_average_end"] = machine.load_average()
-    results["elapsed_seconds"] = time.perf_counter() - started
+    results["elapsed_seconds"] = elapsed = time.perf_counter() - started
     if args.merge and (out / "results.json").exists():
         results = merged(json.loads((out / "results.json").read_text()), results)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     from bench.report import write_report
 
     report = write_report(results, out)
-    log(f"bench: report at {report} ({results['elapsed_seconds']:.0f}s)")
+    log(f"bench: report at {report} ({elapsed:.0f}s)")
     return 1 if results["errors"] else 0

@@ -106,6 +106,8 @@ def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
             assert snapshot["fdagent_streams"] > 0 and snapshot["on_other_streams"] == 0
             if kind != "jobsignal":  # the references send it before the stream is up
                 assert snapshot["at_up_min"] == spec.jobs, (spec.name, kind, snapshot)
+            if spec.arrivals:
+                assert run["arrivals"]["all_up_s"] > 0 and run["arrivals"]["received"] > 0
         assert f"`{spec.name}`" in report
     for section in (
         "## Machine",
