@@ -1356,7 +1356,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         default="",
         help="comma-separated scenarios (fanout,latency,e2e,memory,...; real_path: all of"
-        " real_path_2k,real_path_20k,real_path_60k,real_path_50kb,real_path_5k,real_path_700kb)",
+        f" {','.join(spec.name for spec in FULL_REAL_PATH)})",
     )
     parser.add_argument(
         "--set",
