@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bench.figures import fairness, latency_summary, median
-from bench.procs import Child, CpuMeter
+from bench.procs import Child, ChildError, CpuMeter
 
 if TYPE_CHECKING:
     from bench.run import Bench
@@ -43,6 +43,8 @@ FDAGENT_EVERY = 4
 # live message of a subscriber), and buckets of the latency-over-time series.
 SAMPLES_PER_S = 5000
 TIMELINE_BUCKETS = 250
+# Seconds the arriving subscribers of `RealPath.arrivals` have to be all up.
+ARRIVAL_WAIT = 20.0
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,7 @@ def one_run(bench: Bench, spec: RealPath, kind: str, window: float) -> dict[str,
         window_start_ns = time.time_ns()
         measured_start = time.perf_counter()
         arrived: dict[str, Any] | None = None
-        late: Child | None = None
+        late: Child | None = None  # the arrivals' load generator
         if spec.arrivals:
             time.sleep(window / 3)
             late, arrived = arrive(bench, children, server, spec, window_start_ns)
@@ -276,30 +278,39 @@ def one_run(bench: Bench, spec: RealPath, kind: str, window: float) -> dict[str,
 
 def arrive(
     bench: Bench, children: list[Child], server: Child, spec: RealPath, window_start_ns: int
-) -> tuple[Child, dict[str, Any]]:
+) -> tuple[Child | None, dict[str, Any]]:
     """`spec.arrivals` FdAgent subscribers at once (a load generator of their own):
-    how long until the server has them all up, and what each had by then."""
+    how long until the server has them all up (None: not within ARRIVAL_WAIT s),
+    and how many messages each had by then."""
     started = time.perf_counter()
     started_ns = time.time_ns()
-    late = bench.go_clients(
-        children,
-        server,
-        spec.arrivals,
-        spec.connections,
-        sample_every=1_000_000_000,  # their latency is not measured
-        extra=("--fdagent-every", "1"),
-    )
-    up_s = time.perf_counter() - started
-    counts = late.request({"cmd": "per_subscriber"})["received"]
-    return late, {
+    figures: dict[str, Any] = {
         "subscribers": spec.arrivals,
         "at_s": (started_ns - window_start_ns) / 1e9,  # into the window
-        "all_up_s": up_s,
-        # Messages per arriving stream when the server had them all up: its
-        # snapshot (the jobs) if the server sends it first.
-        "at_up_min": min(counts, default=0),
-        "at_up_median": median([float(c) for c in counts]),
+        "all_up_s": None,
     }
+    started_children = len(children)
+    try:
+        late = bench.go_clients(
+            children,
+            server,
+            spec.arrivals,
+            spec.connections,
+            sample_every=1_000_000_000,  # their latency is not measured
+            extra=("--fdagent-every", "1"),
+            wait_seconds=ARRIVAL_WAIT,
+        )
+    except ChildError as error:  # not all up in time: the others are measured still
+        figures["error"] = str(error)
+        started_one = len(children) > started_children  # and it is in `children`
+        return (children[started_children] if started_one else None), figures
+    figures["all_up_s"] = time.perf_counter() - started
+    counts = late.request({"cmd": "per_subscriber"})["received"]
+    # Messages per arriving stream once the server had them all up: at least its
+    # snapshot (the jobs) if the server sends that first.
+    figures["at_up_min"] = min(counts, default=0)
+    figures["at_up_median"] = median([float(c) for c in counts])
+    return late, figures
 
 
 def collect_samples(bench: Bench, client: Child) -> list[tuple[int, int]]:

@@ -231,10 +231,17 @@ def details(key: str, section: dict[str, Any], out: Path) -> list[str]:
             lines.append(
                 f"- {NAMES[kind]}: {arrivals[0]['subscribers']:,} FdAgent subscribers arrive"
                 f" {arrivals[0]['at_s']:.1f} s into the window; all up after "
-                + ", ".join(f"{a['all_up_s']:.2f}" for a in arrivals)
-                + " s; messages per arriving stream when all were up (min / median): "
-                + ", ".join(f"{a['at_up_min']} / {a['at_up_median']:g}" for a in arrivals)
-                + f" (the snapshot is {spec['jobs']})."
+                + ", ".join(
+                    "not within the wait" if a["all_up_s"] is None else f"{a['all_up_s']:.2f} s"
+                    for a in arrivals
+                )
+                + "; messages per arriving stream when all were up (min / median): "
+                + ", ".join(
+                    f"{a['at_up_min']} / {a['at_up_median']:g}"
+                    for a in arrivals
+                    if "at_up_min" in a
+                )
+                + f" (the snapshot is {spec['jobs']} jobs, more are live messages)."
             )
     ours, go = figure(section, "jobsignal", "us_per_msg"), figure(section, "go", "us_per_msg")
     aio = figure(section, "reference", "us_per_msg")

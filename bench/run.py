@@ -341,10 +341,13 @@ class Bench:
         cpus: frozenset[int] | None = None,
         sample_every: int | None = None,
         extra: Sequence[str] = (),
+        wait_seconds: float | None = None,
     ) -> Child:
         """One Go load generator with `count` subscribers over `connections` (0: one
         each), sampling every `sample_every`-th message (default: the run's), with
-        `extra` arguments; waits until the server has all of them."""
+        `extra` arguments; waits until the server has all of them (ChildError after
+        `wait_seconds`, by default 30 s and 20 ms per subscriber; the load
+        generator is in `children` then too)."""
         baseline = self.subscribers(server)
         client = self.child(
             "go-loadgen",
@@ -362,7 +365,7 @@ class Bench:
             cpus=cpus,
         )
         children.append(client)
-        self.wait_subscribed(server, [client], baseline, count)
+        self.wait_subscribed(server, [client], baseline, count, wait_seconds)
         return client
 
     def cluster(self, children: list[Child], cpus: frozenset[int] | None = None) -> Child:
@@ -407,11 +410,16 @@ class Bench:
         return int(server.request({"cmd": "stats"})["subscribers"])
 
     def wait_subscribed(
-        self, server: Child, clients: list[Child], baseline: int, count: int
+        self,
+        server: Child,
+        clients: list[Child],
+        baseline: int,
+        count: int,
+        timeout: float | None = None,
     ) -> None:
         """Wait until the server has `count` subscribers more than `baseline`;
         ChildError as soon as one of the load generators `clients` reports a
-        failed subscription."""
+        failed subscription, or after `timeout` (default: 30 s, 20 ms each)."""
 
         def subscribed() -> bool:
             for client in clients:
@@ -420,7 +428,7 @@ class Bench:
                     raise ChildError(f"{client.name}: subscriptions failed: {reply['errors']}")
             return self.subscribers(server) - baseline >= count
 
-        wait_for(subscribed, f"{count} subscriptions", timeout=30 + count / 50)
+        wait_for(subscribed, f"{count} subscriptions", timeout=timeout or 30 + count / 50)
 
     # -- measurements --------------------------------------------------------
 
