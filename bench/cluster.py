@@ -7,7 +7,10 @@ API server would be) and, on command, writes job-summary ConfigMaps the way
 ClusterD does (`jobsignal.sim.clusterd`): a bulk population for the initial
 LIST, a steady stream of changes at a given rate, or one large job split over
 several ConfigMaps. Every write stamps its wall-clock time (Unix ns) into the
-`sid` data key, so a subscriber can measure ConfigMap change to arrival.
+`sid` data key, so a subscriber can measure ConfigMap change to arrival; the
+bulk population stamps "0" instead (no time: a subscriber tells the messages
+of a snapshot by it). A change rewrites every ConfigMap of the job with the
+same stamp, as ClusterD rewrites them all: the time of its first write.
 """
 
 from __future__ import annotations
@@ -70,7 +73,10 @@ class Cluster:
         name = command["cmd"]
         if name == "populate":
             started = time.perf_counter()
-            self.jobs = [clusterd_job(i, command["servers"]) for i in range(command["count"])]
+            per_configmap = command.get("servers_per_configmap", 1000)
+            self.jobs = [
+                clusterd_job(i, command["servers"], per_configmap) for i in range(command["count"])
+            ]
             written = sum(write_job(self.state, job, "running", "0") for job in self.jobs)
             return {"configmaps": written, "seconds": time.perf_counter() - started}
         if name == "mode":
@@ -100,7 +106,8 @@ class Cluster:
         return {"error": f"unknown command {name!r}"}
 
     async def _churn(self, scope: trio.CancelScope, rate: float) -> None:
-        """Rewrite job ConfigMaps (a new `sid` each time) at `rate` changes per second."""
+        """Rewrite the jobs (a new `sid` in each of their ConfigMaps) in turn, at
+        `rate` changes per second."""
         with scope:
             started = trio.current_time()
             done = 0
@@ -108,10 +115,12 @@ class Cluster:
                 due = int((trio.current_time() - started) * rate)
                 while done < due:
                     job = self.jobs[done % len(self.jobs)]
-                    name = job.configmap_name(0)
-                    data = dict(self.state.get(job.namespace, name).data)
-                    data["sid"] = str(time.time_ns())
-                    self.state.update_configmap(job.namespace, name, data=data)
+                    sid = str(time.time_ns())
+                    for index in range(job.configmap_count):
+                        name = job.configmap_name(index)
+                        data = dict(self.state.get(job.namespace, name).data)
+                        data["sid"] = sid
+                        self.state.update_configmap(job.namespace, name, data=data)
                     done += 1
                     self.changes += 1
                 await trio.sleep(0.002)

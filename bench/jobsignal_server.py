@@ -45,6 +45,7 @@ from jobsignal.config import load_config
 from jobsignal.fanout import Broadcaster, Subscriber
 from jobsignal.fanout.encoding import encode_signal
 from jobsignal.kube.credentials import KubeConnection
+from jobsignal.process.gc_pacing import GcPacing
 from jobsignal.rpc.guard import ProtocolLimits
 from jobsignal.rpc.registry import Registry
 from jobsignal.rpc.server import RunningServer, ServerSettings, run_grpc_server
@@ -252,6 +253,11 @@ class Runner:
                 await nursery.start(self._run_source)
                 await self.status.ready.wait()
                 self.list_seconds = time.perf_counter() - started
+                # As `jobsignal serve` tends its own process (app._settle_memory_after_lists,
+                # process/gc_pacing.py): the start-up state frozen, full collections short.
+                gc.collect()
+                gc.freeze()
+                await nursery.start(GcPacing().run)
             else:
                 self.status.mark_ready(time.time())
             emit(

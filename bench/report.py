@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import real_path_report
 from bench.profiling import ProfileSummary, summarize_cprofile, summarize_speedscope
 
 REPORT_NAME = "REPORT.md"
@@ -225,6 +226,7 @@ class Report:
                 self.add(f"- scenario failed: `{name}`: {error}")
             self.add("")
         self.machine()
+        self.lines += real_path_report.markdown(self.r, self.out)
         self.summary()
         self.targets()
         self.details()
@@ -1359,6 +1361,13 @@ class Report:
             " subscriber, a message dropped for a subscriber whose channel is full), all three"
             " publishing the same jobs at the same offered rate. Both Go programs are built"
             " at run time in GOPATH mode from Debian's packages (`bench/gobuild.py`).",
+            '- The real-path scenarios (`bench/real_path.py`, section "Real path" above)'
+            " have all three servers take their events from the emulator's WATCH: jobsignal"
+            " its own watcher, the grpc-go reference `bench/go/kubewatch`, the grpc.aio one"
+            " `bench/kube_source.py` (LIST + WATCH over raw HTTP/1.1, a job's slices put back"
+            " together, one event per change); latency runs from the ConfigMap write to the"
+            " Go load generator's receive; each server is started afresh for each of its"
+            " alternating runs, and the medians of the runs are quoted.",
             f"- Repetitions: {self.r.get('sizes', {}).get('reps')} measurement windows per"
             " scenario on the same processes (memory: one measurement); latency percentiles"
             " are over all samples of all windows (nearest rank).",
@@ -1491,6 +1500,7 @@ def _answer_cell(row: dict[str, Any]) -> str:
 
 def write_report(results: dict[str, Any], out: Path) -> Path:
     _plots(results, out)
+    real_path_report.plots(results, out)
     text = Report(results, out).build()
     path = out / REPORT_NAME
     path.write_text(text)

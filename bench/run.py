@@ -1,4 +1,8 @@
-"""`python -m bench [--quick] [--out DIR]`: run every scenario, then write the report.
+"""`python -m bench [--quick] [--out DIR] [--only S,...] [--merge]`: scenarios, then the report.
+
+`--only real_path` runs the real-path family (bench/real_path.py), `--only
+real_path_20k` one of them; `--merge` keeps the other scenarios' figures
+already in `--out/results.json`.
 
 The orchestrator (this process) starts every server, load generator and
 cluster as a separate process on 127.0.0.1, talks to them over pipes
@@ -31,6 +35,7 @@ from typing import Any
 from bench import gobuild, machine
 from bench.common import STUBS_ENV, generate_stubs
 from bench.events import make_jobs, signal_fields
+from bench.figures import fairness, latency_summary, median
 from bench.procs import (
     REPO,
     Child,
@@ -41,6 +46,7 @@ from bench.procs import (
     split_cpus,
     wait_for,
 )
+from bench.real_path import FULL_REAL_PATH, QUICK_REAL_PATH, RealPath, run_scenario
 
 SERVERS = ("jobsignal", "reference")
 SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.reference_server"}
@@ -52,7 +58,9 @@ GO_SOURCES = {
     "reference": Path(__file__).resolve().parent / "go" / "reference" / "main.go",
 }
 # Go packages the programs share (the child-process contract of bench/common.py).
-GO_LIBRARIES = {"childproc": Path(__file__).resolve().parent / "go" / "childproc"}
+GO_LIBRARIES = {
+    name: Path(__file__).resolve().parent / "go" / name for name in ("childproc", "kubewatch")
+}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # The attacks of the under-attack scenario, in the order they run (bench/attacker.py).
 ATTACKS = (
@@ -128,6 +136,12 @@ class Sizes:
     server_latency: tuple[int, int, float] = (1000, 20, 20.0)
     # The Go load generator decodes every n-th message of a subscriber for latency.
     go_sample_every: int = 10
+    # The real-path scenarios (bench/real_path.py), each server measured this many
+    # times (alternating), warmed up and measured for these many seconds.
+    real_path: tuple[RealPath, ...] = FULL_REAL_PATH
+    real_path_runs: int = 3
+    real_path_warmup: float = 2.0
+    real_path_window: float = 5.0
 
 
 FULL = Sizes(
@@ -206,33 +220,11 @@ QUICK = Sizes(
     server_one_conn=(3, 0, 20.0),
     server_latency=(4, 2, 5.0),
     go_sample_every=1,
+    real_path=QUICK_REAL_PATH,
+    real_path_runs=1,
+    real_path_warmup=0.2,
+    real_path_window=0.5,
 )
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    if not ordered:
-        return math.nan
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def latency_summary(samples_ns: list[int]) -> dict[str, Any]:
-    """p50 / p99 / max in milliseconds (nearest rank) of latencies in nanoseconds."""
-    if not samples_ns:
-        return {"samples": 0, "p50_ms": math.nan, "p99_ms": math.nan, "max_ms": math.nan}
-    ordered = sorted(samples_ns)
-    count = len(ordered)
-
-    def rank(q: float) -> float:
-        return ordered[min(count - 1, max(0, math.ceil(q * count) - 1))] / 1e6
-
-    return {
-        "samples": count,
-        "p50_ms": rank(0.50),
-        "p99_ms": rank(0.99),
-        "max_ms": ordered[-1] / 1e6,
-    }
 
 
 class Bench:
@@ -347,9 +339,15 @@ class Bench:
         count: int,
         connections: int,
         cpus: frozenset[int] | None = None,
+        sample_every: int | None = None,
+        extra: Sequence[str] = (),
+        wait_seconds: float | None = None,
     ) -> Child:
         """One Go load generator with `count` subscribers over `connections` (0: one
-        each); waits until the server has all of them."""
+        each), sampling every `sample_every`-th message (default: the run's), with
+        `extra` arguments; waits until the server has all of them (ChildError after
+        `wait_seconds`, by default 30 s and 20 ms per subscriber; the load
+        generator is in `children` then too)."""
         baseline = self.subscribers(server)
         client = self.child(
             "go-loadgen",
@@ -361,12 +359,13 @@ class Bench:
             "--connections",
             str(connections),
             "--sample-every",
-            str(self.sizes.go_sample_every),
+            str(sample_every or self.sizes.go_sample_every),
+            *extra,
             executable=self.go_programs()["loadgen"],
             cpus=cpus,
         )
         children.append(client)
-        self.wait_subscribed(server, [client], baseline, count)
+        self.wait_subscribed(server, [client], baseline, count, wait_seconds)
         return client
 
     def cluster(self, children: list[Child], cpus: frozenset[int] | None = None) -> Child:
@@ -411,11 +410,16 @@ class Bench:
         return int(server.request({"cmd": "stats"})["subscribers"])
 
     def wait_subscribed(
-        self, server: Child, clients: list[Child], baseline: int, count: int
+        self,
+        server: Child,
+        clients: list[Child],
+        baseline: int,
+        count: int,
+        timeout: float | None = None,
     ) -> None:
         """Wait until the server has `count` subscribers more than `baseline`;
         ChildError as soon as one of the load generators `clients` reports a
-        failed subscription."""
+        failed subscription, or after `timeout` (default: 30 s, 20 ms each)."""
 
         def subscribed() -> bool:
             for client in clients:
@@ -424,7 +428,7 @@ class Bench:
                     raise ChildError(f"{client.name}: subscriptions failed: {reply['errors']}")
             return self.subscribers(server) - baseline >= count
 
-        wait_for(subscribed, f"{count} subscriptions", timeout=30 + count / 50)
+        wait_for(subscribed, f"{count} subscriptions", timeout=timeout or 30 + count / 50)
 
     # -- measurements --------------------------------------------------------
 
@@ -566,6 +570,7 @@ class Bench:
     # -- scenarios -------------------------------------------------------------
 
     def run_all(self, only: set[str] | None) -> None:
+        real_path = {spec.name for spec in self.sizes.real_path}
         scenarios: list[tuple[str, Callable[[], None]]] = [
             ("fanout", self.scenario_fanout),
             ("latency", self.scenario_latency),
@@ -582,9 +587,14 @@ class Bench:
             ("server_fanout", self.scenario_server_fanout),
             ("server_one_conn", self.scenario_server_one_conn),
             ("server_latency", self.scenario_server_latency),
+            *(
+                (spec.name, functools.partial(run_scenario, self, spec))
+                for spec in self.sizes.real_path
+            ),
         ]
         for name, scenario in scenarios:
-            if only and name not in only:
+            # `--only real_path` runs the whole family.
+            if only and name not in only and not ("real_path" in only and name in real_path):
                 continue
             started = time.perf_counter()
             self.log(f"scenario {name} ...")
@@ -1287,30 +1297,6 @@ class Bench:
                 )
 
 
-def fairness(received: list[int], connections: int) -> dict[str, Any]:
-    """How evenly the subscribers were served: their received counts (min, median,
-    max, how many got nothing, the share within 10 % of the median) and, when
-    they share connections (subscriber i on connection i mod `connections`),
-    the totals per connection."""
-    if not received:
-        return {"min": 0, "median": math.nan, "max": 0, "starved": 0, "within_10pct": math.nan}
-    middle = median([float(count) for count in received])
-    within = sum(1 for count in received if abs(count - middle) <= 0.1 * middle)
-    summary: dict[str, Any] = {
-        "subscribers": len(received),
-        "min": min(received),
-        "median": middle,
-        "max": max(received),
-        "starved": sum(1 for count in received if count == 0),
-        "within_10pct": within / len(received) if middle else math.nan,
-    }
-    if connections < len(received):
-        totals = [sum(received[index::connections]) for index in range(connections)]
-        summary["per_connection_min"] = min(totals)
-        summary["per_connection_max"] = max(totals)
-    return summary
-
-
 def _histogram(samples_ns: list[int], bins: int = 60) -> dict[str, list[float]]:
     """A compact log-spaced histogram of latencies, for the plots."""
     if not samples_ns:
@@ -1326,6 +1312,27 @@ def _histogram(samples_ns: list[int], bins: int = 60) -> dict[str, list[float]]:
         index = min(bins - 1, int(math.log(ms / low) / scale))
         counts[index] += 1
     return {"edges_ms": edges, "counts": counts}
+
+
+# Keys of the results that describe the run, not one scenario.
+RUN_KEYS = ("sizes", "errors", "machine", "quick", "elapsed_seconds", "scenario_load")
+
+
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`old` results with the scenarios of `new` in place of theirs (each scenario
+    section keeps its own provenance); the runs merged in are listed."""
+    ran = set(new.get("scenario_load", {}))
+    result = {**old, **{k: v for k, v in new.items() if k not in RUN_KEYS}}
+    errors = {k: v for k, v in old.get("errors", {}).items() if k not in ran}
+    result["errors"] = {**errors, **new.get("errors", {})}
+    result["scenario_load"] = {**old.get("scenario_load", {}), **new.get("scenario_load", {})}
+    machine_info = dict(old.get("machine", {}))
+    machine_info["merged_runs"] = [
+        *machine_info.get("merged_runs", []),
+        {"scenarios": sorted(ran), "machine": new.get("machine", {})},
+    ]
+    result["machine"] = machine_info
+    return result
 
 
 def with_overrides(sizes: Sizes, overrides: list[str], parser: argparse.ArgumentParser) -> Sizes:
@@ -1354,7 +1361,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     parser.add_argument(
-        "--only", default="", help="comma-separated scenarios (fanout,latency,e2e,memory,...)"
+        "--only",
+        default="",
+        help="comma-separated scenarios (fanout,latency,e2e,memory,...; real_path: all of"
+        f" {','.join(spec.name for spec in FULL_REAL_PATH)})",
     )
     parser.add_argument(
         "--set",
@@ -1367,6 +1377,11 @@ def main(argv: list[str] | None = None) -> int:
         "--attacks",
         default="",
         help=f"comma-separated attacks of the attack scenario (default all: {','.join(ATTACKS)})",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other scenarios of the results.json in --out: replace only those run",
     )
     parser.add_argument(
         "--report-only",
@@ -1403,10 +1418,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.run_all(only)
     results = bench.results
     results["machine"]["load_average_end"] = machine.load_average()
-    results["elapsed_seconds"] = time.perf_counter() - started
+    results["elapsed_seconds"] = elapsed = time.perf_counter() - started
+    if args.merge and (out / "results.json").exists():
+        results = merged(json.loads((out / "results.json").read_text()), results)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     from bench.report import write_report
 
     report = write_report(results, out)
-    log(f"bench: report at {report} ({results['elapsed_seconds']:.0f}s)")
+    log(f"bench: report at {report} ({elapsed:.0f}s)")
     return 1 if results["errors"] else 0

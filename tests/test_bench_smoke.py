@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench.gobuild import INSTALL_HINT, missing_go_packages
+from bench.real_path import QUICK_REAL_PATH, REAL_PATH_SERVERS
 from bench.run import ATTACKS, FULL, GO_SERVERS, with_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,10 +91,35 @@ def test_quick_benchmark_reports_every_scenario(tmp_path: Path) -> None:
         placement = e2e_go["placement"]
         assert not set(placement["server_cpus"]) & set(placement["peer_cpus"])
         assert "CPUs shared: ConfigMap write → subscriber" in report
-    for section in ("## Machine", "## Targets", "## Where the time goes", "## Method"):
+    # The real path: every server took its events from the API emulator's WATCH.
+    for spec in QUICK_REAL_PATH:
+        section = results[spec.name]
+        assert sorted(section["servers"]) == sorted(REAL_PATH_SERVERS), spec.name
+        for kind, row in section["servers"].items():
+            (run,) = row["runs"]
+            assert run["published"] > 0 and run["changes"] > 0, (spec.name, kind)
+            assert run["latency"]["samples"] > 0, (spec.name, kind)
+            assert run["fairness"]["min"] > 0, (spec.name, kind, run["fairness"])
+            assert run["loadgen_us_per_msg"] > 0, (spec.name, kind)
+            assert run["timeline"]["t_s"], (spec.name, kind)
+            snapshot = run["snapshot"]
+            assert snapshot["fdagent_streams"] > 0 and snapshot["on_other_streams"] == 0
+            if kind != "jobsignal":  # the references send it before the stream is up
+                assert snapshot["at_up_min"] == spec.jobs, (spec.name, kind, snapshot)
+            if spec.arrivals:
+                assert run["arrivals"]["all_up_s"] > 0 and run["arrivals"]["received"] > 0
+        assert f"`{spec.name}`" in report
+    for section in (
+        "## Machine",
+        "## Real path",
+        "## Targets",
+        "## Where the time goes",
+        "## Method",
+    ):
         assert section in report
     if importlib.util.find_spec("matplotlib") is not None:
-        for plot in PLOTS:
+        plots = [*PLOTS, *(f"{spec.name}.png" for spec in QUICK_REAL_PATH)]
+        for plot in plots:
             assert (out / plot).stat().st_size > 0, plot
 
 

@@ -1,22 +1,32 @@
 // Command loadgen is the benchmark's grpc-go load generator: many job.Job
 // subscribers in one process, cheap enough per message not to be the limit.
 //
-//	loadgen -target 127.0.0.1:PORT -count N [-connections C] [-stall K] [-sample-every S] [-deadline SECONDS]
+//	loadgen -target 127.0.0.1:PORT -count N [-connections C] [-stall K] [-sample-every S]
+//	        [-fdagent-every F] [-deadline SECONDS]
 //
 // The N subscribers share C grpc.ClientConns (one TCP connection each),
 // subscriber i on connection i mod C; -connections 0 gives every subscriber
 // its own. Each registers, subscribes to SubscribeJobSummarySignal with
 // grpc-go's defaults (BDP flow-control windows, no keepalive; only the
 // receive limit is raised, as the Python load generator does) and counts what
-// arrives. Messages are not decoded: the codec hands over the bytes. Every
-// S-th message of a subscriber is decoded for its latency, the arrival time
-// minus the publish time the server stamped into `sid` (Unix nanoseconds),
+// arrives. Every subscriber has role CCAgent, but with -fdagent-every F every
+// F-th is an FdAgent (the role a server sends a snapshot of every job first).
+//
+// Messages are not decoded: the codec hands over the bytes, and only `sid`
+// (field 15) is read from them, by walking the fields (each a length-delimited
+// string). A `sid` that is a Unix time in nanoseconds is the time of the
+// event: the publish time a server's in-process driver stamped, or the
+// ConfigMap write time the benchmark's cluster stamped. Any other `sid` (the
+// cluster's initial population writes "0") marks a message of a snapshot:
+// those are counted apart, also when they arrive after a live message on the
+// same stream (a snapshot that came late). Every S-th live message of a
+// subscriber is a latency sample: its arrival time and arrival minus `sid`,
 // as bench/loadgen.py measures it. The first K subscribers stop reading on
 // the `stall` command; their messages are counted apart.
 //
 // It speaks the line protocol of every benchmark child (bench/common.py):
 // one JSON line when ready, then one JSON reply per JSON command on stdin
-// (count, lat_reset, lat_dump, stall, per_subscriber); it exits when stdin
+// (count, lat_reset, lat_dump, samples_dump, stall, per_subscriber); it exits when stdin
 // closes, when its parent dies, or at its deadline. `count` carries the
 // process's own CPU time (getrusage), so the report can show what each
 // received message cost the load generator.
@@ -29,7 +39,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -44,8 +53,15 @@ import (
 	pb "jobsignalbench/job"
 )
 
-// The role of every benchmark subscriber (bench/common.py ROLE): no snapshot on subscribe.
-const role = "CCAgent"
+// The role of the benchmark's subscribers (bench/common.py ROLE): no snapshot on
+// subscribe; every -fdagent-every'th has snapshotRole.
+const (
+	role         = "CCAgent"
+	snapshotRole = "FdAgent"
+)
+
+// A `sid` below this is no Unix time in nanoseconds (2001-09-09): a snapshot's.
+const firstStamp = 1_000_000_000_000_000_000
 
 // maxMessageBytes matches bench/common.py MAX_MESSAGE_BYTES.
 const maxMessageBytes = 64 * 1024 * 1024
@@ -81,15 +97,24 @@ func init() {
 
 // -- the load --------------------------------------------------------------------
 
-type load struct {
-	target      string
-	count       int
-	connections int
-	stall       int
-	sampleEvery int64
-	concurrency int
+// counters of one subscriber, atomic.
+type counters struct {
+	received          int64 // every message
+	snapshot          int64 // of them, snapshot messages
+	snapshotAfterLive int64 // of those, the ones that came after a live message
+	live              int64 // live messages
+}
 
-	received        []int64 // per subscriber, atomic
+type load struct {
+	target       string
+	count        int
+	connections  int
+	stall        int
+	sampleEvery  int64
+	concurrency  int
+	fdagentEvery int
+
+	subscribers     []counters
 	stalledReceived int64
 	started         int64
 	failed          int64
@@ -100,7 +125,70 @@ type load struct {
 	errors     map[string]int
 
 	latencyLock sync.Mutex
-	latencies   []int64
+	samples     []int64 // pairs: arrival (Unix ns), latency (ns)
+}
+
+// stringField is the value of the length-delimited field `number` of a protobuf
+// message, read without decoding the rest (nil if absent or malformed).
+func stringField(data []byte, number uint64) []byte {
+	for len(data) > 0 {
+		tag, n := binary.Uvarint(data)
+		if n <= 0 {
+			return nil
+		}
+		data = data[n:]
+		switch tag & 7 {
+		case 0:
+			if _, n = binary.Uvarint(data); n <= 0 {
+				return nil
+			}
+			data = data[n:]
+		case 1, 5:
+			size := 8
+			if tag&7 == 5 {
+				size = 4
+			}
+			if len(data) < size {
+				return nil
+			}
+			data = data[size:]
+		case 2:
+			length, n := binary.Uvarint(data)
+			if n <= 0 || uint64(len(data)-n) < length {
+				return nil
+			}
+			value := data[n : n+int(length)]
+			if tag>>3 == number {
+				return value
+			}
+			data = data[n+int(length):]
+		default:
+			return nil
+		}
+	}
+	return nil
+}
+
+// stamp is a decimal `sid` as a number (0 if it is not one).
+func stamp(sid []byte) int64 {
+	var value int64
+	if len(sid) == 0 || len(sid) > 19 {
+		return 0
+	}
+	for _, c := range sid {
+		if c < '0' || c > '9' {
+			return 0
+		}
+		value = value*10 + int64(c-'0')
+	}
+	return value
+}
+
+func (l *load) roleOf(index int) string {
+	if l.fdagentEvery > 0 && index%l.fdagentEvery == l.fdagentEvery-1 {
+		return snapshotRole
+	}
+	return role
 }
 
 func (l *load) fail(err error) {
@@ -113,6 +201,7 @@ func (l *load) fail(err error) {
 func (l *load) subscriber(index int, conn *grpc.ClientConn, gate chan struct{}) {
 	gate <- struct{}{}
 	client := pb.NewJobClient(conn)
+	role := l.roleOf(index)
 	// wait_for_ready: a connection refused or reset while many clients connect
 	// at once is retried instead of failing the call.
 	registerCtx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
@@ -134,9 +223,8 @@ func (l *load) subscriber(index int, conn *grpc.ClientConn, gate chan struct{}) 
 	}
 	atomic.AddInt64(&l.started, 1)
 	stallable := index < l.stall
-	counter := &l.received[index]
+	counter := &l.subscribers[index]
 	var message rawMessage
-	var sample pb.JobSummarySignal
 	for {
 		if err := stream.RecvMsg(&message); err != nil {
 			if err != io.EOF {
@@ -151,18 +239,22 @@ func (l *load) subscriber(index int, conn *grpc.ClientConn, gate chan struct{}) 
 			}
 			continue
 		}
-		if atomic.AddInt64(counter, 1)%l.sampleEvery != 0 {
+		atomic.AddInt64(&counter.received, 1)
+		sid := stamp(stringField(message.data, 15))
+		if sid < firstStamp {
+			atomic.AddInt64(&counter.snapshot, 1)
+			if atomic.LoadInt64(&counter.live) > 0 {
+				atomic.AddInt64(&counter.snapshotAfterLive, 1)
+			}
+			continue
+		}
+		if atomic.AddInt64(&counter.live, 1)%l.sampleEvery != 0 {
 			continue
 		}
 		arrival := time.Now().UnixNano()
-		if proto.Unmarshal(message.data, &sample) != nil {
-			continue
-		}
-		if sid, err := strconv.ParseInt(sample.Sid, 10, 64); err == nil {
-			l.latencyLock.Lock()
-			l.latencies = append(l.latencies, arrival-sid)
-			l.latencyLock.Unlock()
-		}
+		l.latencyLock.Lock()
+		l.samples = append(l.samples, arrival, arrival-sid)
+		l.latencyLock.Unlock()
 	}
 	atomic.AddInt64(&l.ended, 1)
 }
@@ -203,12 +295,26 @@ func cpuSeconds() float64 {
 	return seconds(usage.Utime) + seconds(usage.Stime)
 }
 
-func (l *load) total() int64 {
-	var sum int64
+// total: the messages (live, snapshot) the reading subscribers have received.
+func (l *load) total() (int64, int64) {
+	var received, snapshot int64
 	for index := l.stall; index < l.count; index++ {
-		sum += atomic.LoadInt64(&l.received[index])
+		received += atomic.LoadInt64(&l.subscribers[index].received)
+		snapshot += atomic.LoadInt64(&l.subscribers[index].snapshot)
 	}
-	return sum
+	return received, snapshot
+}
+
+// dump writes int64s to path, little-endian (what Python's array("q") reads here).
+func dump(path string, values []int64) map[string]interface{} {
+	buffer := make([]byte, 8*len(values))
+	for i, value := range values {
+		binary.LittleEndian.PutUint64(buffer[8*i:], uint64(value))
+	}
+	if err := os.WriteFile(path, buffer, 0o600); err != nil {
+		return map[string]interface{}{"error": err.Error()}
+	}
+	return map[string]interface{}{"samples": len(values)}
 }
 
 func (l *load) handle(command map[string]interface{}) map[string]interface{} {
@@ -221,8 +327,10 @@ func (l *load) handle(command map[string]interface{}) map[string]interface{} {
 			errors[code] = n
 		}
 		l.errorsLock.Unlock()
+		received, snapshot := l.total()
 		return map[string]interface{}{
-			"received":         l.total(),
+			"received":         received,
+			"snapshot":         snapshot,
 			"stalled_received": atomic.LoadInt64(&l.stalledReceived),
 			"started":          atomic.LoadInt64(&l.started),
 			"failed":           atomic.LoadInt64(&l.failed),
@@ -231,30 +339,42 @@ func (l *load) handle(command map[string]interface{}) map[string]interface{} {
 			"cpu_seconds":      cpuSeconds(),
 		}
 	case "per_subscriber":
-		counts := make([]int64, 0, l.count-l.stall)
+		// The reading subscribers in order: their counts and which are FdAgents.
+		size := l.count - l.stall
+		received := make([]int64, 0, size)
+		snapshot := make([]int64, 0, size)
+		late := make([]int64, 0, size)
+		fdagent := make([]bool, 0, size)
 		for index := l.stall; index < l.count; index++ {
-			counts = append(counts, atomic.LoadInt64(&l.received[index]))
+			c := &l.subscribers[index]
+			received = append(received, atomic.LoadInt64(&c.received))
+			snapshot = append(snapshot, atomic.LoadInt64(&c.snapshot))
+			late = append(late, atomic.LoadInt64(&c.snapshotAfterLive))
+			fdagent = append(fdagent, l.roleOf(index) == snapshotRole)
 		}
-		return map[string]interface{}{"received": counts}
+		return map[string]interface{}{
+			"received": received, "snapshot": snapshot, "snapshot_after_live": late,
+			"fdagent": fdagent,
+		}
 	case "lat_reset":
 		l.latencyLock.Lock()
-		l.latencies = l.latencies[:0]
+		l.samples = l.samples[:0]
 		l.latencyLock.Unlock()
 		return map[string]interface{}{"ok": true}
-	case "lat_dump":
+	case "lat_dump", "samples_dump":
+		// lat_dump: the latencies; samples_dump: (arrival, latency) pairs.
 		path, _ := command["path"].(string)
 		l.latencyLock.Lock()
-		samples := append([]int64(nil), l.latencies...)
+		samples := append([]int64(nil), l.samples...)
 		l.latencyLock.Unlock()
-		// Native int64s, as Python's array("q").tofile writes them (little-endian here).
-		buffer := make([]byte, 8*len(samples))
-		for i, value := range samples {
-			binary.LittleEndian.PutUint64(buffer[8*i:], uint64(value))
+		if name == "samples_dump" {
+			return dump(path, samples)
 		}
-		if err := os.WriteFile(path, buffer, 0o600); err != nil {
-			return map[string]interface{}{"error": err.Error()}
+		latencies := make([]int64, 0, len(samples)/2)
+		for i := 1; i < len(samples); i += 2 {
+			latencies = append(latencies, samples[i])
 		}
-		return map[string]interface{}{"samples": len(samples)}
+		return dump(path, latencies)
 	case "stall":
 		atomic.StoreInt32(&l.stalled, 1)
 		return map[string]interface{}{"ok": true}
@@ -271,6 +391,7 @@ func main() {
 	flag.IntVar(&l.stall, "stall", 0, "subscribers that stop reading on the stall command")
 	flag.Int64Var(&l.sampleEvery, "sample-every", 10, "decode every n-th message of a subscriber for its latency")
 	flag.IntVar(&l.concurrency, "concurrency", 100, "subscriptions being set up at once")
+	flag.IntVar(&l.fdagentEvery, "fdagent-every", 0, "every n-th subscriber is an FdAgent (0: none)")
 	flag.Float64Var(&deadline, "deadline", 600, "seconds until the process exits, whatever it is doing")
 	flag.Parse()
 	if l.target == "" || l.count < 1 || l.sampleEvery < 1 || l.concurrency < 1 {
@@ -278,7 +399,7 @@ func main() {
 		os.Exit(2)
 	}
 	childproc.StopByItself(time.Duration(deadline * float64(time.Second)))
-	l.received = make([]int64, l.count)
+	l.subscribers = make([]counters, l.count)
 	conns := l.start()
 	childproc.Emit(map[string]interface{}{"ready": true, "pid": os.Getpid()})
 	childproc.AnswerCommands(l.handle)

@@ -1,21 +1,31 @@
 // Command reference is the benchmark's grpc-go reference server: job.Job's
 // Register and SubscribeJobSummarySignal written the way ClusterD writes them.
 //
-//	reference -jobs-file FILE [-buffer 10] [-deadline SECONDS]
+//	reference (-jobs-file FILE | -kube-url URL [-namespace NS]) [-buffer 10]
+//	          [-snapshot-roles FdAgent] [-deadline SECONDS]
 //
 // Every stream is served by its own goroutine (grpc-go's handler goroutine)
 // reading the subscriber's buffered channel of -buffer messages; publishing
 // puts the same message into every subscriber's channel and drops it for a
 // subscriber whose channel is full (nobody is disconnected); each stream's
-// Send marshals the message for itself, as ClusterD's does.
+// Send marshals the message for itself, as ClusterD's does. A subscriber of a
+// -snapshot-roles role (ClusterD v7.3: FdAgent) is first sent the latest
+// state of every job, taken under the same lock that adds its channel (so no
+// change falls between the two), and the stream counts as up (the stats'
+// `subscribers`) only once that snapshot is sent.
 //
-// The events are the benchmark's: the jobs in -jobs-file (a JSON list of
-// JobSummarySignal field maps written by the orchestrator from the same
-// bench/events.py jobs the Python servers cycle), each publish a fresh
-// message with a new uuid and the publish time in `sid` (Unix nanoseconds).
-// It speaks the control protocol of bench/reference_server.py: the ready
-// line with the port, then JSON commands on stdin (stats; mode idle, rate
-// with `rate` events/s, flood with threshold, batch and quantile).
+// The events come from one of two sources. With -kube-url, the Kubernetes
+// API (the benchmark's emulator): LIST then WATCH of the job-summary
+// ConfigMaps of -namespace (package kubewatch), one event per change of a
+// job, its `sid` passed through (the cluster stamps the write time there).
+// With -jobs-file, the benchmark's in-process driver: the jobs in the file (a
+// JSON list of JobSummarySignal field maps written by the orchestrator from
+// the same bench/events.py jobs the Python servers cycle), each publish a
+// fresh message with a new uuid and the publish time in `sid` (Unix
+// nanoseconds). It speaks the control protocol of bench/reference_server.py:
+// the ready line with the port, then JSON commands on stdin (stats; mode
+// idle, rate with `rate` events/s, flood with threshold, batch and quantile;
+// the driver's modes only with -jobs-file).
 package main
 
 import (
@@ -29,6 +39,7 @@ import (
 	"runtime"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -39,6 +50,7 @@ import (
 
 	"jobsignalbench/childproc"
 	pb "jobsignalbench/job"
+	"jobsignalbench/kubewatch"
 )
 
 // ClusterD's role whitelist (bench/common.py ROLES).
@@ -57,14 +69,18 @@ type subscription struct {
 
 type server struct {
 	pb.UnimplementedJobServer
-	buffer int
+	buffer        int
+	snapshotRoles map[string]bool
 
 	lock          sync.Mutex
 	registered    map[string]string
 	subscriptions map[*subscription]struct{}
+	jobs          map[string]*pb.JobSummarySignal // the latest state of every job (Kubernetes source)
 
+	up        int64 // atomic: streams subscribed, their snapshot (if any) sent
 	published int64 // atomic
 	dropped   int64 // atomic: messages not queued because a channel was full
+	snapshots int64 // atomic: snapshot messages sent
 }
 
 func newUUID() string {
@@ -104,6 +120,17 @@ func (s *server) SubscribeJobSummarySignal(info *pb.ClientInfo, stream pb.Job_Su
 	}
 	sub := &subscription{messages: make(chan *pb.JobSummarySignal, s.buffer)}
 	s.subscriptions[sub] = struct{}{}
+	var snapshot []*pb.JobSummarySignal
+	if s.snapshotRoles[role] {
+		keys := make([]string, 0, len(s.jobs))
+		for key := range s.jobs {
+			keys = append(keys, key)
+		}
+		sort.Strings(keys)
+		for _, key := range keys {
+			snapshot = append(snapshot, s.jobs[key])
+		}
+	}
 	s.lock.Unlock()
 	defer func() {
 		s.lock.Lock()
@@ -111,6 +138,14 @@ func (s *server) SubscribeJobSummarySignal(info *pb.ClientInfo, stream pb.Job_Su
 		delete(s.registered, info.ClientId)
 		s.lock.Unlock()
 	}()
+	for _, message := range snapshot {
+		if err := stream.Send(message); err != nil {
+			return err
+		}
+	}
+	atomic.AddInt64(&s.snapshots, int64(len(snapshot)))
+	atomic.AddInt64(&s.up, 1)
+	defer atomic.AddInt64(&s.up, -1)
 	done := stream.Context().Done()
 	for {
 		select {
@@ -124,9 +159,26 @@ func (s *server) SubscribeJobSummarySignal(info *pb.ClientInfo, stream pb.Job_Su
 	}
 }
 
+// publishJob records a job's new state (a delete forgets the job) and publishes it.
+func (s *server) publishJob(key string, message *pb.JobSummarySignal) {
+	s.lock.Lock()
+	defer s.lock.Unlock()
+	if message.Operator == "delete" {
+		delete(s.jobs, key)
+	} else {
+		s.jobs[key] = message
+	}
+	s.fanOut([]*pb.JobSummarySignal{message})
+}
+
 func (s *server) publish(messages []*pb.JobSummarySignal) {
 	s.lock.Lock()
 	defer s.lock.Unlock()
+	s.fanOut(messages)
+}
+
+// fanOut queues the messages for every subscriber (the lock held).
+func (s *server) fanOut(messages []*pb.JobSummarySignal) {
 	var dropped int64
 	for sub := range s.subscriptions {
 		for _, message := range messages {
@@ -163,10 +215,13 @@ func (s *server) stats() map[string]interface{} {
 		pending += len(sub.messages)
 	}
 	return map[string]interface{}{
-		"subscribers": len(s.subscriptions),
+		"subscribers": atomic.LoadInt64(&s.up),
+		"streams":     len(s.subscriptions),
 		"published":   atomic.LoadInt64(&s.published),
 		"pending":     pending,
 		"dropped":     atomic.LoadInt64(&s.dropped),
+		"snapshots":   atomic.LoadInt64(&s.snapshots),
+		"jobs":        len(s.jobs),
 		"ended":       map[string]int{},
 	}
 }
@@ -261,6 +316,9 @@ func (d *driver) handle(command map[string]interface{}) map[string]interface{} {
 			d.stop = nil
 		}
 		mode, _ := command["mode"].(string)
+		if mode != "idle" && len(d.jobs) == 0 {
+			return map[string]interface{}{"error": "no driver: the events come from -kube-url"}
+		}
 		switch mode {
 		case "idle":
 		case "rate":
@@ -305,29 +363,69 @@ func loadJobs(path string) ([]*pb.JobSummarySignal, error) {
 	return jobs, nil
 }
 
+// watchKube loads the jobs of the Kubernetes API at base (LIST), then keeps them
+// up to date (WATCH) on a goroutine of its own; returns once the LIST is loaded.
+func watchKube(s *server, base, namespace string) error {
+	watcher := kubewatch.New(base, namespace, func(job kubewatch.Job) {
+		s.publishJob(job.Key, &pb.JobSummarySignal{
+			Uuid: newUUID(), JobId: job.JobID, JobName: job.JobName, Namespace: job.Namespace,
+			FrameWork: job.FrameWork, JobStatus: job.JobStatus, Time: job.Time,
+			CmIndex: job.CmIndex, Total: job.Total, HcclJson: job.HcclJSON,
+			DeleteTime: job.DeleteTime, SharedTorIp: job.SharedTorIP,
+			MasterAddr: job.MasterAddr, Operator: job.Operator, Sid: job.Sid,
+		})
+	})
+	if err := watcher.List(); err != nil {
+		return err
+	}
+	go watcher.Run()
+	return nil
+}
+
+func fail(err error) {
+	fmt.Fprintf(os.Stderr, "reference: %v\n", err)
+	os.Exit(2)
+}
+
 func main() {
-	var jobsFile string
+	var jobsFile, kubeURL, namespace, snapshotRoles string
 	var buffer int
 	var deadline float64
-	flag.StringVar(&jobsFile, "jobs-file", "", "JSON list of the jobs to publish")
+	flag.StringVar(&jobsFile, "jobs-file", "", "JSON list of the jobs the driver publishes")
+	flag.StringVar(&kubeURL, "kube-url", "", "Kubernetes API to watch instead (http://HOST:PORT)")
+	flag.StringVar(&namespace, "namespace", "bench", "namespace of the ConfigMaps (-kube-url)")
+	flag.StringVar(&snapshotRoles, "snapshot-roles", "FdAgent", "roles sent every job's state first")
 	flag.IntVar(&buffer, "buffer", 10, "messages buffered per subscriber (ClusterD: 10)")
 	flag.Float64Var(&deadline, "deadline", 600, "seconds until the process exits, whatever it is doing")
 	flag.Parse()
 	childproc.StopByItself(time.Duration(deadline * float64(time.Second)))
-	jobs, err := loadJobs(jobsFile)
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "reference: %v\n", err)
-		os.Exit(2)
+	var jobs []*pb.JobSummarySignal
+	if kubeURL == "" {
+		var err error
+		if jobs, err = loadJobs(jobsFile); err != nil {
+			fail(err)
+		}
 	}
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "reference: %v\n", err)
-		os.Exit(2)
+		fail(err)
 	}
 	s := &server{
 		buffer:        buffer,
+		snapshotRoles: map[string]bool{},
 		registered:    map[string]string{},
 		subscriptions: map[*subscription]struct{}{},
+		jobs:          map[string]*pb.JobSummarySignal{},
+	}
+	for _, role := range strings.Split(snapshotRoles, ",") {
+		if role != "" {
+			s.snapshotRoles[role] = true
+		}
+	}
+	if kubeURL != "" {
+		if err := watchKube(s, kubeURL, namespace); err != nil {
+			fail(err)
+		}
 	}
 	grpcServer := grpc.NewServer(grpc.MaxSendMsgSize(maxMessageBytes))
 	pb.RegisterJobServer(grpcServer, s)
