@@ -47,6 +47,8 @@ SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.ref
 # The servers of the server-bound scenarios, driven by the Go load generator:
 # jobsignal, the grpc.aio reference and the grpc-go reference ("go").
 GO_SERVERS = ("jobsignal", "reference", "go")
+# The scenarios that build and run Go programs (bench/gobuild.py); `--without-go` leaves them out.
+GO_SCENARIOS = frozenset({"e2e_go", "server_fanout", "server_one_conn", "server_latency"})
 GO_SOURCES = {
     "loadgen": Path(__file__).resolve().parent / "go" / "loadgen" / "main.go",
     "reference": Path(__file__).resolve().parent / "go" / "reference" / "main.go",
@@ -565,7 +567,7 @@ class Bench:
 
     # -- scenarios -------------------------------------------------------------
 
-    def run_all(self, only: set[str] | None) -> None:
+    def run_all(self, only: set[str] | None, without: frozenset[str] = frozenset()) -> None:
         scenarios: list[tuple[str, Callable[[], None]]] = [
             ("fanout", self.scenario_fanout),
             ("latency", self.scenario_latency),
@@ -584,7 +586,7 @@ class Bench:
             ("server_latency", self.scenario_server_latency),
         ]
         for name, scenario in scenarios:
-            if only and name not in only:
+            if (only and name not in only) or name in without:
                 continue
             started = time.perf_counter()
             self.log(f"scenario {name} ...")
@@ -1369,6 +1371,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated attacks of the attack scenario (default all: {','.join(ATTACKS)})",
     )
     parser.add_argument(
+        "--without-go",
+        action="store_true",
+        help="leave out the scenarios with Go programs (where `nox -s peers` could not get Go)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="rewrite REPORT.md and the plots from the results.json in --out, without running",
@@ -1400,7 +1407,7 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(sizes, out, Path(work), log, attacks)
         bench.results["machine"] = machine_info
         bench.results["quick"] = args.quick
-        bench.run_all(only)
+        bench.run_all(only, GO_SCENARIOS if args.without_go else frozenset())
     results = bench.results
     results["machine"]["load_average_end"] = machine.load_average()
     results["elapsed_seconds"] = time.perf_counter() - started

@@ -144,7 +144,7 @@ def _install_go() -> dict[str, str]:
         "go": str(go),
         "gocode": str(root / debian_sources.GOCODE),
         "plugins": str(root / debian_sources.BIN),
-        "version": f"{go_version}, grpc-go {grpc_go} (Debian's)",
+        "version": f"{go_version}, Debian's grpc-go {grpc_go}",
     }
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -91,6 +93,27 @@ async def print_signals(options: SubscribeOptions, as_json: bool) -> None:
     async with open_subscription(options) as signals:
         async for message in signals:
             emit(format_message(message, as_json))
+
+
+async def until_interrupted(function: Callable[..., Awaitable[None]], *args: object) -> None:
+    """`function(*args)` until it returns or SIGINT (Ctrl-C) or SIGTERM comes; then,
+    with the connection closed, KeyboardInterrupt (status 130). Left to Python, the
+    interrupt lands in trio-asyncio's loop and comes out as the stream's error."""
+    interrupted = False
+    async with trio.open_nursery() as nursery:
+
+        async def cancel_on_signal() -> None:
+            nonlocal interrupted
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    interrupted = True
+                    nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cancel_on_signal)
+        await function(*args)
+        nursery.cancel_scope.cancel()
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 # -- jobsignal jobs ---------------------------------------------------------------------
@@ -209,9 +232,17 @@ async def print_health(options: SubscribeOptions, args: argparse.Namespace) -> i
 # -- jobsignal demo ---------------------------------------------------------------------
 
 
+# A demo is for this machine: it listens on loopback unless told otherwise.
+DEMO_LISTEN = "127.0.0.1:8899"
+
+
 async def _demo(config_flags: dict[str, str | None], environ: Mapping[str, str]) -> None:
     # No load balancer sends clients to a demo: Ctrl-C stops it without a drain.
-    config = load_config({**config_flags, "source": "demo", "drain_delay": "0"}, environ)
+    flags = {**config_flags, "source": "demo", "drain_delay": "0"}
+    (listen,) = [s for s in SERVE_SETTINGS if s.name == "listen"]
+    if flags.get("listen") is None and listen.env not in environ:
+        flags["listen"] = DEMO_LISTEN
+    config = load_config(flags, environ)
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
             lambda task_status: run_jobsignal(config, handle_signals=True, task_status=task_status)
@@ -219,6 +250,9 @@ async def _demo(config_flags: dict[str, str | None], environ: Mapping[str, str])
         host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
         options = SubscribeOptions(host, server.port, "CCAgent")
         emit(f"jobsignal demo: serving on {server.host}:{server.port}; subscriber output:")
+        # The server beside it logs what happens; its own subscriber says only errors
+        # (not, say, that the server it shares the process with is shutting down).
+        logging.getLogger("jobsignal.client").setLevel(logging.ERROR)
         nursery.start_soon(print_signals, options, False)
         await server.stopped.wait()
         nursery.cancel_scope.cancel()
@@ -284,7 +318,7 @@ def run_client_command(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         elif args.command == "subscribe":
             configure_logging("warning", "text")
             options = _announce_subscription(subscribe_options(args, environ))
-            run(print_signals, options, args.json)
+            run(until_interrupted, print_signals, options, args.json)
         elif args.command == "jobs":
             configure_logging("warning", "text")
             status: int = run(print_jobs, subscribe_options(args, environ), args)
