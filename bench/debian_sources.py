@@ -1,4 +1,4 @@
-"""grpc-go's and protobuf-go's sources and the protoc Go plugins, from Debian's packages, without root.
+"""grpc-go's and protobuf-go's sources and protoc's Go plugins from Debian's packages, no root.
 
 The grpc-go peers (tests/interop, the benchmark's Go programs) build in GOPATH
 mode against the Go sources Debian ships under /usr/share/gocode/src. Nothing

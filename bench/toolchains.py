@@ -76,7 +76,8 @@ def node() -> tuple[Path, str]:
     """The node executable that runs the grpc-js peer, and what it runs (versions)."""
     entry = _entry("grpc-js")
     path = Path(entry["node"])
-    missing = [p for p in JS_PACKAGES if not (JS_DIR / "node_modules" / p / "package.json").is_file()]
+    modules = JS_DIR / "node_modules"
+    missing = [p for p in JS_PACKAGES if not (modules / p / "package.json").is_file()]
     if not path.is_file() or missing:
         raise Missing(f"{', '.join(missing) or path} gone since `{GET_PEERS}` ran")
     return path, str(entry["version"])
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     for peer, entry in found.items():
         print(f"peers: {peer}: {entry.get('version') or 'NOT AVAILABLE: ' + entry['missing']}")
         if "missing" in entry and not args.require:
-            print(f"peers: the tests of {peer} will not run; to get it: {entry.get('get', GET_PEERS)}")
+            get = entry.get("get", GET_PEERS)
+            print(f"peers: the tests of {peer} will not run; to get it: {get}")
     missing = [entry["missing"] for entry in found.values() if "missing" in entry]
     return 1 if args.require and missing else 0
 

@@ -55,6 +55,7 @@ def _never_connected(error: BaseException) -> bool:
         return True
     return isinstance(error, OSError) and error.errno in _CONNECT_ERRNOS
 
+
 # Refusals that another attempt cannot cure: a wrong role or a bad request.
 FATAL_STATUSES = frozenset({GrpcStatus.INVALID_ARGUMENT, GrpcStatus.UNIMPLEMENTED})
 

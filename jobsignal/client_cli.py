@@ -39,7 +39,7 @@ from jobsignal.config import (
     resolve,
 )
 from jobsignal.logs import configure_logging
-from jobsignal.terminal import emit, run, tell
+from jobsignal.terminal import emit, lone_exception, run, tell
 
 T = TypeVar("T")
 
@@ -100,18 +100,24 @@ async def until_interrupted(function: Callable[..., Awaitable[None]], *args: obj
     with the connection closed, KeyboardInterrupt (status 130). Left to Python, the
     interrupt lands in trio-asyncio's loop and comes out as the stream's error."""
     interrupted = False
-    async with trio.open_nursery() as nursery:
+    try:
+        async with trio.open_nursery() as nursery:
 
-        async def cancel_on_signal() -> None:
-            nonlocal interrupted
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    interrupted = True
-                    nursery.cancel_scope.cancel()
+            async def cancel_on_signal() -> None:
+                nonlocal interrupted
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        interrupted = True
+                        nursery.cancel_scope.cancel()
 
-        nursery.start_soon(cancel_on_signal)
-        await function(*args)
-        nursery.cancel_scope.cancel()
+            nursery.start_soon(cancel_on_signal)
+            await function(*args)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # what ended `function`, as itself (SubscribeFailed)
+        lone = lone_exception(group)
+        if lone is None:
+            raise
+        raise lone from None
     if interrupted:
         raise KeyboardInterrupt
 

@@ -135,19 +135,6 @@ def test_readme_configuration_table_matches_the_code() -> None:
         assert f"`{setting.flag}`" in readme
 
 
-def _readme_commands() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    return re.findall(r"```sh\n(.*?)\n```", readme, re.S)
-
-
-def test_readme_run_commands_are_the_tested_ones() -> None:
-    commands = _readme_commands()
-    assert "python3 -m pip install . && jobsignal demo" in commands
-    assert "python3 -m pip install nox && python3 -m nox" in commands
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert "python3 -m nox" in ci
-
-
 @contextmanager
 def running(
     *args: str, open_files: tuple[int, int] | None = None

@@ -28,7 +28,6 @@ import pytest
 
 from jobsignal.cli import DEFAULT_TARGET, build_parser
 from jobsignal.config import DEFAULTS
-from jobsignal.file_limit import RESERVED_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -62,7 +61,8 @@ TABLE = [
 INLINE = sorted(
     code
     for code in re.findall(r"`([^`]+)`", "\n".join(COMMANDS.split("\n\n")[1:3]))
-    if code.startswith(("jobsignal ", "source <(jobsignal")) and code.replace("\\|", "|") not in TABLE
+    if code.startswith(("jobsignal ", "source <(jobsignal"))
+    and code.replace("\\|", "|") not in TABLE
 )
 
 
@@ -103,7 +103,8 @@ def with_target(command: str, target: str) -> str:
     command = command.replace("127.0.0.1:8899", target).replace("HOST:PORT", target)
     for client in CLIENTS:
         if f"jobsignal {client}" in command and "--target" not in command:
-            command = command.replace(f"jobsignal {client}", f"jobsignal {client} --target {target}")
+            pointed = f"jobsignal {client} --target {target}"
+            command = command.replace(f"jobsignal {client}", pointed)
     return command
 
 
@@ -179,12 +180,11 @@ def test_the_demo_as_the_first_command_ends_runs_without_alarms() -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     soft = min(1024, hard)
     last_step = SH_BLOCKS[0].rsplit(" && ", 1)[1].replace(".venv/bin/", f"{BIN}/")
-    out, err = run_for_a_while(
-        f"bash -c 'ulimit -Sn {soft}; exec {last_step}'", until=SIGNAL_LINE
-    )
+    out, err = run_for_a_while(f"bash -c 'ulimit -Sn {soft}; exec {last_step}'", until=SIGNAL_LINE)
     assert "serving on 127.0.0.1:" in out
-    needed = DEFAULTS.max_connections + RESERVED_FILES
-    if hard == resource.RLIM_INFINITY or hard >= needed + 200:
+    # (2,048 files are room for the demo's connection limits; a machine whose hard
+    # limit is lower gets the warning, rightly: tests/test_file_limit.py.)
+    if hard == resource.RLIM_INFINITY or hard >= 2048:
         assert "WARNING" not in err and "ulimit" not in err, err
 
 
@@ -250,7 +250,7 @@ def test_the_embedding_example_runs_as_written() -> None:
 
 def test_the_client_default_target_is_where_serve_and_demo_listen() -> None:
     ((_, port),) = DEFAULTS.listen
-    assert DEFAULT_TARGET == f"127.0.0.1:{port}"
+    assert f"127.0.0.1:{port}" == DEFAULT_TARGET
     parser = build_parser()
     for client in CLIENTS:
         assert parser.parse_args([client]).target == DEFAULT_TARGET

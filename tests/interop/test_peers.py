@@ -42,7 +42,8 @@ def test_a_machine_without_apt_is_told_where_grpc_go_runs(
     )
     with pytest.raises(toolchains.Missing) as missing:
         toolchains.go_tools()
-    assert (missing.value.why, missing.value.get) == ("no apt-get", "run the tests on Debian or Ubuntu")
+    assert missing.value.why == "no apt-get"
+    assert missing.value.get == "run the tests on Debian or Ubuntu"
 
 
 def test_npm_packages_gone_since_install_are_named(
@@ -110,7 +111,7 @@ def test_the_old_protobuf_go_api_is_refused_before_building(tmp_path: Path) -> N
     why = gobuild.check_protobuf_api(toolchains.GoTools(go, new_tree, old_plugin, ""))
     assert why is not None and "not protobuf-go's APIv2 plugin" in why
     assert gobuild.check_protobuf_api(toolchains.GoTools(go, new_tree, new_plugin, "")) is None
-    with pytest.raises(gobuild.GoBuildError, match="older than 1.4"):
+    with pytest.raises(gobuild.GoBuildError, match=r"older than 1\.4"):
         gobuild.build_go_programs(
             tmp_path / "build", {}, import_root="x", who="the peer", tools=old_tree
         )
@@ -134,15 +135,17 @@ def test_the_closure_takes_protobuf_go_1_5_and_only_go_sources() -> None:
         {
             "golang-google-grpc-dev": go
             | {
-                "Depends": "golang-github-golang-protobuf-1-3-dev | golang-github-golang-protobuf-1-5-dev,"
-                " golang-glog-dev | golang-github-golang-glog-dev, golang-golang-x-net-dev (>= 1:0.0)"
+                "Depends": "golang-github-golang-protobuf-1-3-dev"
+                " | golang-github-golang-protobuf-1-5-dev, golang-glog-dev"
+                " | golang-github-golang-glog-dev, golang-golang-x-net-dev (>= 1:0.0)"
             },
             "golang-github-golang-protobuf-1-3-dev": go
             | {"Conflicts": "golang-github-golang-protobuf-1-5-dev"},
             "golang-github-golang-protobuf-1-5-dev": go
             | {
                 "Depends": "golang-google-protobuf-dev",
-                "Conflicts": "golang-github-golang-protobuf-1-3-dev, golang-goprotobuf-dev (<< 1.3.5-1~)",
+                "Conflicts": "golang-github-golang-protobuf-1-3-dev,"
+                " golang-goprotobuf-dev (<< 1.3.5-1~)",
             },
             "golang-google-protobuf-dev": go,
             "golang-glog-dev": go,
