@@ -98,7 +98,8 @@ async def print_signals(options: SubscribeOptions, as_json: bool) -> None:
 async def until_interrupted(function: Callable[..., Awaitable[None]], *args: object) -> None:
     """`function(*args)` until it returns or SIGINT (Ctrl-C) or SIGTERM comes; then,
     with the connection closed, KeyboardInterrupt (status 130). Left to Python, the
-    interrupt lands in trio-asyncio's loop and comes out as the stream's error."""
+    interrupt lands in trio-asyncio's loop and comes out as the stream's error; and
+    what the stream raises while the interrupt tears it down is no news either."""
     interrupted = False
     try:
         async with trio.open_nursery() as nursery:
@@ -113,11 +114,10 @@ async def until_interrupted(function: Callable[..., Awaitable[None]], *args: obj
             nursery.start_soon(cancel_on_signal)
             await function(*args)
             nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:  # what ended `function`, as itself (SubscribeFailed)
-        lone = lone_exception(group)
-        if lone is None:
-            raise
-        raise lone from None
+    except Exception as error:
+        if not interrupted:  # what ended `function`, as itself (SubscribeFailed)
+            lone = lone_exception(error) if isinstance(error, ExceptionGroup) else error
+            raise (lone or error) from None
     if interrupted:
         raise KeyboardInterrupt
 

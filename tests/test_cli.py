@@ -187,6 +187,7 @@ def test_jobsignal_demo_shows_signals_and_stops_on_sigint() -> None:
         assert "server shutting down" in err or "gRPC server stopped" in err
 
 
+@pytest.mark.slow
 def test_serve_and_subscribe_json() -> None:
     with running("serve", "--source", "demo", "--listen", "127.0.0.1:0") as server:
         lines = _read_until(server.stderr, r"gRPC listening on 127\.0\.0\.1:\d+")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 import signal
 
+import pytest
+
 from jobsignal.file_limit import RESERVED_FILES, shortfall
 from jobsignal.metrics_server import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from jobsignal.rpc.connections import MAX_LINGERING_REFUSALS
@@ -35,6 +37,7 @@ def test_serve_raises_its_soft_limit_to_the_hard_limit() -> None:
     assert "ulimit -n" not in log  # enough for the default limits: no warning
 
 
+@pytest.mark.slow
 def test_serve_warns_when_the_limit_is_below_what_its_connections_need() -> None:
     log = serve_with_open_files(512, 512, "--metrics-listen", "127.0.0.1:0")
     assert "soft limit raised" not in log

@@ -195,9 +195,12 @@ def test_a_command_of_the_table_runs(command: str, demo: str) -> None:
         run_for_a_while(command, until="ready: job store loaded", stream="stderr")
     elif command.startswith("jobsignal demo"):
         run_for_a_while(command, until=SIGNAL_LINE)
-    elif command.startswith("jobsignal subscribe"):
+    elif command.startswith("jobsignal subscribe") and "--list" in command:
+        # (the List RPC starts with the snapshot: a line at once)
         out, _ = run_for_a_while(command, until=r"\n", stopped=130)
         assert out.startswith("{") == ("--json" in command), out
+    elif command.startswith("jobsignal subscribe"):  # signals come with the demo's next step
+        run_for_a_while(command, until="waiting for job events", stream="stderr", stopped=130)
     elif command.startswith("jobsignal jobs"):
         # The demo's rounds have moments without a job ("No jobs found."): ask again.
         for _ in range(20):
