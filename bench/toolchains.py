@@ -39,6 +39,9 @@ DEBIAN_CACHE = REPO / ".nox" / "peers-debian"
 JS_DIR = REPO / "tests" / "interop" / "js"
 GET_PEERS = "nox -s peers"
 JS_PACKAGES = ("@grpc/grpc-js", "@grpc/proto-loader")
+# The machine-wide npm configuration of Debian's and Ubuntu's npm; the wheel's npm
+# would read its own prefix's instead.
+MACHINE_NPMRC = Path("/etc/npmrc")
 
 
 class Missing(Exception):
@@ -111,6 +114,8 @@ def _install_js() -> dict[str, str]:
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     # (bin/npm is a copy of a script that finds npm relative to itself: it cannot.)
     npm = [str(bin_dir / "node"), str(wheel / "lib/node_modules/npm/bin/npm-cli.js")]
+    if MACHINE_NPMRC.is_file():  # the machine's proxy and CA settings, as its own npm reads
+        npm += ["--globalconfig", str(MACHINE_NPMRC)]
     # npm ls fails when node_modules is missing or differs from the lockfile.
     if _run([*npm, "ls", "--prefix", str(JS_DIR), "--all"], env).returncode != 0:
         print(f"peers: npm ci in {JS_DIR.relative_to(REPO)}", flush=True)
