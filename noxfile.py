@@ -73,8 +73,8 @@ _activate_pyenv_pythons()
 FOUND = [version for version in PYTHONS if shutil.which(f"python{version}")]
 if not FOUND:
     sys.exit(
-        "nox: none of python3.11, python3.12 and python3.13 is on the PATH; jobsignal needs"
-        " one of them (3.14 cannot run trio-asyncio: make a venv with 3.13)"
+        "nox: none of python3.11, python3.12 and python3.13 is on the PATH: install one"
+        " (jobsignal refuses 3.14, whose asyncio lacks what trio-asyncio subclasses)"
     )
 # Sessions that run once, and whose output must not depend on the interpreter,
 # run on the oldest supported Python (CI), or the oldest one found.
