@@ -243,7 +243,10 @@ def test_the_embedding_example_runs_as_written(tmp_path: Path) -> None:
     example = re.findall(r"```python\n(.*?)\n```", section_text, re.S)[0]
     assert example.rstrip().endswith("trio.run(main)")
     (tmp_path / "example.py").write_text(example)
-    out, _ = run_for_a_while(f"{sys.executable} {tmp_path / 'example.py'}", until=r"\n", stopped=1)
+    # (a plain trio program: what Ctrl-C makes of it is Python's business)
+    out, _ = run_for_a_while(
+        f"{sys.executable} {tmp_path / 'example.py'}", until=r"\n", stopped=None
+    )
     assert re.fullmatch(r"\S+ (pending|running|complete|failed)\n", out.splitlines(True)[0]), out
 
 
