@@ -124,8 +124,9 @@ def _install_js() -> dict[str, str]:
             [*npm, "ci", "--prefix", str(JS_DIR), "--no-audit", "--no-fund", "--loglevel=error"],
             env,
         )
-        if done.returncode != 0:
-            return {"missing": f"npm ci failed: {done.stderr.strip()[-600:]}"}
+        if done.returncode != 0:  # npm's first line says what went wrong ("code ...")
+            said = (done.stderr.strip().splitlines() or ["no output"])[0]
+            return {"missing": f"npm ci failed: {said[:300]}"}
     node_version = _run([str(bin_dir / "node"), "--version"]).stdout.strip()
     grpc_js = json.loads((JS_DIR / "node_modules/@grpc/grpc-js/package.json").read_text())
     return {
