@@ -197,9 +197,8 @@ def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 
 def _command(args: argparse.Namespace) -> int:
-    if args.command in ("serve", "demo"):
-        # Before run_jobsignal warns when the limit is short of its connection limits.
-        raised = raise_open_file_limit()
+    # Raised before run_jobsignal warns when the limit is short of its connection limits.
+    raised = raise_open_file_limit() if args.command in ("serve", "demo") else None
     if args.command == "serve":
         config = load_config(vars(args), os.environ)
         configure_logging(config.log_level, config.log_format)
