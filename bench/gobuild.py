@@ -1,15 +1,18 @@
-"""Build small grpc-go programs against Debian's Go packages, in GOPATH mode.
+"""Build small grpc-go programs against Debian's Go sources, in GOPATH mode.
 
 Used by the benchmark (its Go load generator and reference server) and by the
 interop tests (their grpc-go peer). No module proxy is involved: the Go
-toolchain, grpc-go and protobuf-go come from Debian packages, which install
-their sources under /usr/share/gocode/src. The message and service stubs are
-generated from protos/job/job.proto by protoc when a program is built, into
-the build directory; nothing generated is kept in the repository.
+toolchain, grpc-go's and protobuf-go's sources and the protoc Go plugins are
+the ones `nox -s peers` installed into .nox/ (bench/toolchains.py; the
+sources come from Debian's packages). The message and service stubs are
+generated from protos/job/job.proto by protoc (grpcio-tools') when a program
+is built, into the build directory; nothing generated is kept in the
+repository.
 
-`build_go_programs` raises `GoBuildError` naming the Debian packages to
-install when something is missing (`.ci/install-peers` installs them all),
-or with protoc's or go's output when a step fails.
+`build_go_programs` raises `GoBuildError` saying what is missing and how to
+get it, when the stubs would not be the protobuf API grpc-go needs (an old
+protoc-gen-go: grpc-go would fail to compile with "missing ProtoReflect
+method"), or with protoc's or go's output when a step fails.
 """
 
 from __future__ import annotations
@@ -17,42 +20,49 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Mapping
 from pathlib import Path
+
+from bench import toolchains
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO / "protos"
-GOCODE = Path("/usr/share/gocode/src")
-INSTALL_HINT = "run .ci/install-peers (as root) to install them"
 
 
 class GoBuildError(RuntimeError):
-    """A Go program could not be built (missing packages, or a failing step)."""
+    """A Go program could not be built (missing toolchain, or a failing step)."""
 
 
-def _requirements(gocode: Path) -> tuple[tuple[str, Callable[[], bool]], ...]:
-    """What a build needs, as (Debian package, how to tell it is there)."""
-    return (
-        ("golang-go", lambda: shutil.which("go") is not None),
-        ("protobuf-compiler", lambda: shutil.which("protoc") is not None),
-        ("protoc-gen-go", lambda: shutil.which("protoc-gen-go") is not None),
-        ("protoc-gen-go-grpc", lambda: shutil.which("protoc-gen-go-grpc") is not None),
-        ("golang-google-grpc-dev", lambda: (gocode / "google.golang.org/grpc").is_dir()),
-        ("golang-google-protobuf-dev", lambda: (gocode / "google.golang.org/protobuf").is_dir()),
-        (
-            "golang-github-golang-protobuf-1-5-dev",
-            lambda: (gocode / "github.com/golang/protobuf/ptypes").is_dir(),
-        ),
-    )
-
-
-def missing_go_packages(gocode: Path = GOCODE) -> list[str]:
-    """The Debian packages a build needs that are not installed."""
-    return [package for package, present in _requirements(gocode) if not present()]
+def check_protobuf_api(tools: toolchains.GoTools) -> str | None:
+    """Why `tools` would not build grpc-go stubs, or None: both the protobuf-go
+    runtime and protoc-gen-go must be of the API grpc-go 1.3x imports (APIv2,
+    protobuf-go 1.20 and later), not the old github.com/golang/protobuf 1.3."""
+    if not (tools.gocode / "google.golang.org/protobuf/reflect/protoreflect").is_dir():
+        return f"{tools.gocode} has no google.golang.org/protobuf (protobuf-go APIv2)"
+    # github.com/golang/protobuf 1.4 and later wrap APIv2; 1.3 has no registry.go.
+    if not (tools.gocode / "github.com/golang/protobuf/proto/registry.go").is_file():
+        return f"{tools.gocode}'s github.com/golang/protobuf is older than 1.4 (APIv1)"
+    plugin = tools.plugins / "protoc-gen-go"
+    try:
+        said = subprocess.run(
+            [str(plugin), "--version"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout
+    except OSError as error:
+        return f"{plugin} does not run: {error}"
+    # APIv2's plugin answers "protoc-gen-go v1.28.1"; the old one knows no --version.
+    if not said.startswith("protoc-gen-go v1."):
+        return f"{plugin} is not protobuf-go's APIv2 plugin (it says {said.strip()[:80]!r})"
+    return None
 
 
 def _run(argv: list[str], env: Mapping[str, str], what: str) -> None:
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         raise GoBuildError(
             f"{what} failed ({done.returncode}): {' '.join(argv)}\n{done.stdout}{done.stderr}"
@@ -74,34 +84,37 @@ def build_go_programs(
     import_root: str,
     who: str,
     libraries: Mapping[str, Path] | None = None,
-    gocode: Path = GOCODE,
+    tools: toolchains.GoTools | None = None,
 ) -> dict[str, Path]:
     """Build each `programs[name]` (a main.go) as `build_dir/bin/name`; their paths.
 
     The programs import the stubs as `<import_root>/job`, and each of
     `libraries` (a folder of .go files) as `<import_root>/<name>`. `who` names
-    the programs in the missing-packages message ("the grpc-go interop peer").
+    the programs in error messages ("the grpc-go interop peer"). Without
+    `tools`, the ones `nox -s peers` installed (`toolchains.Missing` when it
+    could not).
     """
-    missing = missing_go_packages(gocode)
-    if missing:
-        raise GoBuildError(
-            f"{who} needs Debian packages that are not installed: {', '.join(missing)};"
-            f" {INSTALL_HINT}"
-        )
+    tools = tools or toolchains.go_tools()
+    if (wrong := check_protobuf_api(tools)) is not None:
+        raise GoBuildError(f"{who} cannot be built: {wrong}")
     package_dir = build_dir / "src" / import_root
     package_dir.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
+        "PATH": f"{tools.plugins}{os.pathsep}{os.environ.get('PATH', '')}",
         "GO111MODULE": "off",
-        "GOPATH": f"{build_dir}:{gocode.parent}",
+        "GOPATH": f"{build_dir}{os.pathsep}{tools.gocode.parent}",
         "GOFLAGS": "",
+        "GOTOOLCHAIN": "local",
         "GOCACHE": os.environ.get("GOCACHE") or str(_go_cache(build_dir)),
     }
     # The proto's own go_package ("/job", ClusterD's) is no import path: map it.
     mapping = f"paths=source_relative,Mjob/job.proto={import_root}/job"
     _run(
         [
-            "protoc",
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
             f"-I{PROTO_ROOT}",
             f"--go_out={package_dir}",
             f"--go_opt={mapping}",
@@ -112,6 +125,8 @@ def build_go_programs(
         env,
         "protoc (Go stubs)",
     )
+    if "ProtoReflect()" not in (package_dir / "job" / "job.pb.go").read_text():
+        raise GoBuildError(f"{who}: protoc-gen-go wrote stubs without ProtoReflect (APIv1)")
     for name, folder in (libraries or {}).items():
         (package_dir / name).mkdir(exist_ok=True)
         for source in folder.glob("*.go"):
@@ -121,6 +136,10 @@ def build_go_programs(
         (package_dir / name).mkdir(exist_ok=True)
         shutil.copy(source, package_dir / name / "main.go")
         binary = build_dir / "bin" / name
-        _run(["go", "build", "-o", str(binary), f"{import_root}/{name}"], env, f"go build {name}")
+        _run(
+            [str(tools.go), "build", "-o", str(binary), f"{import_root}/{name}"],
+            env,
+            f"go build {name}",
+        )
         binaries[name] = binary
     return binaries

@@ -53,6 +53,8 @@ SERVER_MODULES = {"jobsignal": "bench.jobsignal_server", "reference": "bench.ref
 # The servers of the server-bound scenarios, driven by the Go load generator:
 # jobsignal, the grpc.aio reference and the grpc-go reference ("go").
 GO_SERVERS = ("jobsignal", "reference", "go")
+# The scenarios that build and run Go programs (bench/gobuild.py); `--without-go` leaves them out.
+GO_SCENARIOS = frozenset({"e2e_go", "server_fanout", "server_one_conn", "server_latency"})
 GO_SOURCES = {
     "loadgen": Path(__file__).resolve().parent / "go" / "loadgen" / "main.go",
     "reference": Path(__file__).resolve().parent / "go" / "reference" / "main.go",
@@ -569,7 +571,7 @@ class Bench:
 
     # -- scenarios -------------------------------------------------------------
 
-    def run_all(self, only: set[str] | None) -> None:
+    def run_all(self, only: set[str] | None, without: frozenset[str] = frozenset()) -> None:
         real_path = {spec.name for spec in self.sizes.real_path}
         scenarios: list[tuple[str, Callable[[], None]]] = [
             ("fanout", self.scenario_fanout),
@@ -594,7 +596,8 @@ class Bench:
         ]
         for name, scenario in scenarios:
             # `--only real_path` runs the whole family.
-            if only and name not in only and not ("real_path" in only and name in real_path):
+            wanted = not only or name in only or ("real_path" in only and name in real_path)
+            if not wanted or name in without:
                 continue
             started = time.perf_counter()
             self.log(f"scenario {name} ...")
@@ -1384,6 +1387,11 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the other scenarios of the results.json in --out: replace only those run",
     )
     parser.add_argument(
+        "--without-go",
+        action="store_true",
+        help="leave out the scenarios with Go programs (where `nox -s peers` could not get Go)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="rewrite REPORT.md and the plots from the results.json in --out, without running",
@@ -1415,7 +1423,8 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(sizes, out, Path(work), log, attacks)
         bench.results["machine"] = machine_info
         bench.results["quick"] = args.quick
-        bench.run_all(only)
+        real_path = frozenset(spec.name for spec in sizes.real_path)  # Go subscribers, all
+        bench.run_all(only, GO_SCENARIOS | real_path if args.without_go else frozenset())
     results = bench.results
     results["machine"]["load_average_end"] = machine.load_average()
     results["elapsed_seconds"] = elapsed = time.perf_counter() - started

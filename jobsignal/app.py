@@ -180,7 +180,10 @@ async def run_source(
         if connection is None:
             from jobsignal.sim.demo import run_demo_cluster  # (the emulator, for the demo only)
 
-            log.warning("no Kubernetes cluster configured: serving the embedded DEMO cluster")
+            if config.source == "demo":
+                log.info("serving the embedded demo cluster (--source demo)")
+            else:
+                log.warning("no Kubernetes cluster configured: serving the embedded DEMO cluster")
             emulator = await nursery.start(run_demo_cluster)
             connection = KubeConnection(
                 base_url=emulator.url,

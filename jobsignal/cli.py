@@ -9,7 +9,8 @@ only for `completion`: `serve` loads neither. Output written to a reader that
 has gone (`jobsignal subscribe --json | head -1`) ends the command quietly
 with status 141, as SIGPIPE ends other Unix tools; the process keeps
 ignoring SIGPIPE itself, so a peer closing a socket never kills the server.
-`serve` raises the soft limit of open files to the hard limit first
+`serve` and `demo` raise the soft limit of open files to the hard limit
+first, before the server judges it against its connection limits
 (`file_limit.py`).
 
 Building the parser imports nothing beyond the settings: the server and trio
@@ -63,15 +64,21 @@ log = logging.getLogger(__name__)
 # -- the parser -------------------------------------------------------------------------
 
 
+# Where `serve` and `demo` listen by default, as a client reaches them on this host.
+DEFAULT_TARGET = TARGET_SETTING.default
+# The role of a person's own tool (ClusterD's whitelist), which `jobs` and `subscribe` take.
+DEFAULT_ROLE = "DefaultUser1"
+
+
 def _target_flags(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
     group = parser.add_argument_group(title)
-    # Not required here: JOBSIGNAL_TARGET may give it (client_cli.subscribe_options).
+    # No default here: JOBSIGNAL_TARGET comes before it (client_cli.subscribe_options).
     group.add_argument(
         TARGET_SETTING.flag,
         dest=TARGET_SETTING.name,
         default=None,
         metavar=TARGET_SETTING.value_name,
-        help=f"{TARGET_SETTING.help} [env {TARGET_SETTING.env}; one of the two is required]",
+        help=f"{TARGET_SETTING.help} [env {TARGET_SETTING.env}; default {TARGET_SETTING.default}]",
     )
     return group
 
@@ -124,7 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub = commands.add_parser("subscribe", help="register, subscribe and print job signals")
     group = _target_flags(sub, "subscription")
-    group.add_argument("--role", required=True, metavar="ROLE", help="client role, e.g. CCAgent")
+    group.add_argument(
+        "--role",
+        default=DEFAULT_ROLE,
+        metavar="ROLE",
+        help=f"client role, e.g. CCAgent (default {DEFAULT_ROLE})",
+    )
     group.add_argument("--list", action="store_true", help="use SubscribeJobSummarySignalList")
     group.add_argument("--json", action="store_true", help="one JSON object per line")
     _seconds_flag(group, "--keepalive", 30.0, "seconds between keepalive PINGs")
@@ -140,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     group = _target_flags(jobs, "query")
     group.add_argument(
         "--role",
-        default="DefaultUser1",
+        default=DEFAULT_ROLE,
         metavar="ROLE",
-        help="role to register with (default DefaultUser1)",
+        help=f"role to register with (default {DEFAULT_ROLE})",
     )
     group.add_argument(
         "-n", "--namespace", default="", metavar="NAME", help="only the jobs of this namespace"
@@ -241,16 +253,18 @@ def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 
 def _command(args: argparse.Namespace) -> int:
+    # Raised before run_jobsignal warns when the limit is short of its connection limits.
+    from jobsignal.process.file_limit import raise_open_file_limit
+
+    raised = raise_open_file_limit() if args.command in ("serve", "demo") else None
     if args.command == "serve":
         import trio
 
         from jobsignal.app import run_jobsignal
         from jobsignal.logs import configure_logging
-        from jobsignal.process.file_limit import raise_open_file_limit
 
         config = load_config(vars(args), os.environ)
         configure_logging(config.log_level, config.log_format)
-        raised = raise_open_file_limit()
         if raised is not None and raised[1] > raised[0]:
             log.info("open files: soft limit raised from %d to %d", *raised)
         try:

@@ -19,7 +19,9 @@ server's grpc.health.v1 status.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -47,6 +49,20 @@ REGISTER = "/job.Job/Register"
 SUBSCRIBE_SIGNAL = "/job.Job/SubscribeJobSummarySignal"
 SUBSCRIBE_LIST = "/job.Job/SubscribeJobSummarySignalList"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+# What connect() fails with when there is no server to reach at all.
+_CONNECT_ERRNOS = frozenset(
+    {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
+)
+
+
+def _never_connected(error: BaseException) -> bool:
+    """True for an error of connecting (refused, unreachable, unknown host), as
+    opposed to a connection that was made and then lost."""
+    if isinstance(error, socket.gaierror):
+        return True
+    return isinstance(error, OSError) and error.errno in _CONNECT_ERRNOS
+
 
 # Refusals that another attempt cannot cure: a wrong role or a bad request.
 FATAL_STATUSES = frozenset({GrpcStatus.INVALID_ARGUMENT, GrpcStatus.UNIMPLEMENTED})
@@ -210,7 +226,10 @@ async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
                 refusal = await _tls_refusal(options, context)
                 if refusal is not None:
                     raise SubscribeFailed(refusal) from None
-            log.warning("connection to %s:%d lost: %s", options.host, options.port, error)
+            if _never_connected(error):
+                log.warning("cannot connect to %s:%d: %s", options.host, options.port, error)
+            else:
+                log.warning("connection to %s:%d lost: %s", options.host, options.port, error)
         finally:
             channel.close()
         await trio.sleep(backoff.next_delay())

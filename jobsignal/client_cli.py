@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -30,7 +32,7 @@ from jobsignal.config import (
     show_address,
 )
 from jobsignal.logs import configure_logging
-from jobsignal.terminal import emit, run, tell
+from jobsignal.terminal import emit, lone_exception, run, tell
 from jobsignal.util.text import cell, columns, human_age
 
 T = TypeVar("T")
@@ -85,6 +87,33 @@ async def print_signals(options: SubscribeOptions, as_json: bool) -> None:
     async with open_subscription(options) as signals:
         async for message in signals:
             emit(format_message(message, as_json))
+
+
+async def until_interrupted(function: Callable[..., Awaitable[None]], *args: object) -> None:
+    """`function(*args)` until it returns or SIGINT (Ctrl-C) or SIGTERM comes; then,
+    with the connection closed, KeyboardInterrupt (status 130). Left to Python, the
+    interrupt lands in trio-asyncio's loop and comes out as the stream's error; and
+    what the stream raises while the interrupt tears it down is no news either."""
+    interrupted = False
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_on_signal() -> None:
+                nonlocal interrupted
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        interrupted = True
+                        nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cancel_on_signal)
+            await function(*args)
+            nursery.cancel_scope.cancel()
+    except Exception as error:
+        if not interrupted:  # what ended `function`, as itself (SubscribeFailed)
+            lone = lone_exception(error) if isinstance(error, ExceptionGroup) else error
+            raise (lone or error) from None
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 # -- jobsignal jobs ---------------------------------------------------------------------
@@ -223,6 +252,9 @@ async def _demo(config_flags: dict[str, str | None], environ: Mapping[str, str])
         options = SubscribeOptions(host, server.port, "CCAgent")
         shown = show_address(server.host, server.port)
         emit(f"jobsignal demo: serving on {shown}; subscriber output:")
+        # The server beside it logs what happens; its own subscriber says only errors
+        # (not, say, that the server it shares the process with is shutting down).
+        logging.getLogger("jobsignal.client").setLevel(logging.ERROR)
         nursery.start_soon(print_signals, options, False)
         await server.stopped.wait()
         nursery.cancel_scope.cancel()
@@ -231,10 +263,6 @@ async def _demo(config_flags: dict[str, str | None], environ: Mapping[str, str])
 def subscribe_options(args: argparse.Namespace, environ: Mapping[str, str]) -> SubscribeOptions:
     """A client command's options from its flags, JOBSIGNAL_TARGET and the
     JOBSIGNAL_SUBSCRIBE_* env vars (a flag beats its env var)."""
-    if args.target is None and TARGET_SETTING.env not in environ:
-        raise ConfigError(
-            f"which server? give {TARGET_SETTING.flag} HOST:PORT or set {TARGET_SETTING.env}"
-        )
     host, port = resolve([TARGET_SETTING], vars(args), environ)["target"]
     tls = resolve(SUBSCRIBE_SETTINGS, vars(args), environ)
     if not tls["tls_ca"] and any(tls.values()):
@@ -292,7 +320,7 @@ def run_client_command(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         elif args.command == "subscribe":
             configure_logging("warning", "text")
             options = _announce_subscription(subscribe_options(args, environ))
-            run(print_signals, options, args.json)
+            run(until_interrupted, print_signals, options, args.json)
         elif args.command == "jobs":
             configure_logging("warning", "text")
             status: int = run(print_jobs, subscribe_options(args, environ), args)

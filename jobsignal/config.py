@@ -608,8 +608,9 @@ SUBSCRIBE_SETTINGS: tuple[Setting, ...] = (
 
 # The server a client command (subscribe, jobs, check) asks; no default: one of the
 # two must be given.
+# Where `serve` and `demo` listen by default, as a client on this host reaches them.
 TARGET_SETTING = Setting(
-    "target", "", parse_listen, "the jobsignal server to ask", metavar="HOST:PORT"
+    "target", "127.0.0.1:8899", parse_listen, "the jobsignal server to ask", metavar="HOST:PORT"
 )
 
 

@@ -6,7 +6,9 @@
 - `ca`: a certificate authority made for the session (trustme);
 - `emu`: the Kubernetes API emulator on 127.0.0.1, requiring the bearer token
   `tests.support.cluster.TOKEN` (which `write_kubeconfig` writes by default);
-- `io_clock`: virtual time for tests that do real I/O.
+- `io_clock`: virtual time for tests that do real I/O;
+- the run's last line names the foreign peers (grpc-js, grpc-go) that ran
+  and those that could not be had (tests/support/peers_needed.py).
 
 The clock rule (docs/architecture.md section 9). Timing rules are tested in
 virtual time (`trio.testing.MockClock`), and which MockClock depends on what
@@ -38,9 +40,25 @@ import trustme
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
 from tests.support.cluster import TOKEN
 from tests.support.grpcio import GrpcioClients, GrpcioStubs, load
+from tests.support.peers_needed import summary as peers_summary
 
 #: Real seconds every task must have been blocked before `io_clock` jumps.
 IO_AUTOJUMP_THRESHOLD = 0.02
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per reason tests were skipped, then the peers' line."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else "")
+        if " peer not available: " not in reason:
+            reason = reason.removeprefix("Skipped: ")
+            reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, count in reasons.items():
+        terminalreporter.write_line(f"skipped {count}: {reason}", yellow=True)
+    if (line := peers_summary()) is not None:
+        terminalreporter.write_line(line, bold=True)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -299,6 +300,33 @@ async def test_subscribe_says_on_stderr_that_it_is_subscribed_and_waiting() -> N
         finally:
             process.kill()
             await process.wait()
+
+
+async def test_subscribe_to_no_server_says_it_cannot_connect_not_lost() -> None:
+    with socket.socket() as unused:  # a port nobody listens on once closed
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "jobsignal", "subscribe", "--target", f"127.0.0.1:{port}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**CLEAN_ENV, "HOME": "/nonexistent"},
+    )
+    try:
+        assert process.stderr is not None
+        err = bytearray()
+        with trio.fail_after(30):
+            while b"\n" not in err:
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"exited: {err.decode()}"
+                err += chunk
+    finally:
+        process.kill()
+        await process.wait()
+    line = err.decode().splitlines()[0]
+    assert f"WARNING jobsignal.client: cannot connect to 127.0.0.1:{port}: " in line, line
+    assert "lost" not in line
 
 
 # -- jobsignal jobs -----------------------------------------------------------------------------

@@ -253,6 +253,7 @@ async def run_cli(argv: list[str], within: float) -> tuple[int | None, list[str]
     return (None if still_running else process.returncode), out.decode().splitlines(), err.decode()
 
 
+@pytest.mark.slow
 async def test_cli_subscribes_over_mutual_tls_and_exits_1_when_refused(
     certs: Certificates,
 ) -> None:

@@ -1,4 +1,4 @@
-"""`jobsignal serve` and the process's limit of open files (jobsignal/process/file_limit.py).
+"""`jobsignal serve`, `demo` and their limit of open files (jobsignal/process/file_limit.py).
 
 The real command in a child process whose limit is set before it starts, as
 a service manager would set it.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import signal
+
+import pytest
 
 from jobsignal.metrics_server import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from jobsignal.process.file_limit import RESERVED_FILES, shortfall
@@ -35,6 +37,7 @@ def test_serve_raises_its_soft_limit_to_the_hard_limit() -> None:
     assert "ulimit -n" not in log  # enough for the default limits: no warning
 
 
+@pytest.mark.slow
 def test_serve_warns_when_the_limit_is_below_what_its_connections_need() -> None:
     log = serve_with_open_files(512, 512, "--metrics-listen", "127.0.0.1:0")
     assert "soft limit raised" not in log
@@ -53,3 +56,20 @@ def test_shortfall_counts_the_reserve_and_ignores_no_limit() -> None:
     assert shortfall(100, None) is None  # unlimited
     why = shortfall(100, 100 + RESERVED_FILES - 1)
     assert why is not None and f"fewer than the {100 + RESERVED_FILES} " in why
+
+
+def demo_with_open_files(soft: int, hard: int) -> str:
+    """What `jobsignal demo` wrote on stderr until its subscriber showed a job, then stopped."""
+    with running("demo", "--listen", "127.0.0.1:0", open_files=(soft, hard)) as demo:
+        _read_until(demo.stdout, r"running add")
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=15) == 0
+        assert demo.stderr is not None
+        return demo.stderr.read()
+
+
+def test_demo_raises_its_soft_limit_before_judging_it() -> None:
+    # An ordinary user's limits (soft 1024 is common) with room in the hard one: no alarm.
+    assert "ulimit -n" not in demo_with_open_files(256, 4096)
+    # Only a hard limit that is itself short is worth a warning.
+    assert "may open 256 files (ulimit -n)" in demo_with_open_files(256, 256)

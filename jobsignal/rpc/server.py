@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -47,6 +48,13 @@ if TYPE_CHECKING:
     from jobsignal.rpc.tls_connections import TlsServing
 
 log = logging.getLogger(__name__)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _tls_files(config: Config) -> TlsFiles | None:
@@ -243,7 +251,10 @@ async def run_grpc_server(
         shown = ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in addresses)
         nursery.start_soon(_track_health, status, ready_health, source_health, draining)
         if tls is None:
-            log.warning(
+            # Only where other machines can connect is plain text worth a warning.
+            local = all(_is_loopback(host) for host, _ in addresses)
+            log.log(
+                logging.INFO if local else logging.WARNING,
                 "gRPC listening on %s in PLAIN TEXT (as ClusterD does); set --tls-cert"
                 " and --tls-key for TLS, plus --tls-client-ca for mutual TLS",
                 shown,

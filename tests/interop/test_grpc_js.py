@@ -1,7 +1,7 @@
 """jobsignal as a grpc-js client (@grpc/grpc-js on Node.js) sees it.
 
 The peer is tests/interop/js/client.js with the versions pinned in
-tests/interop/js/package.json (installed by `.ci/install-peers`). It loads
+tests/interop/js/package.json (installed by `nox -s peers`). It loads
 protos/job/job.proto at run time with @grpc/proto-loader, and reaches the
 server through a relay in its own process that reports the PINGs it sends
 and the GOAWAYs it receives.

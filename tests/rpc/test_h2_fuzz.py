@@ -112,6 +112,7 @@ async def hostile_connection(server: ServerHarness, seed: int) -> None:
         await read_for(peer, 0.1)  # what it started runs before it goes
 
 
+@pytest.mark.slow
 async def test_random_frames_hurt_no_one_but_their_sender(
     io_clock: trio.testing.MockClock,
 ) -> None:
@@ -171,6 +172,7 @@ async def playing_connection(server: ServerHarness, seed: int) -> None:
         assert not cut_bytes(peer, 3), f"seed {seed}: a message never finished"
 
 
+@pytest.mark.slow
 async def test_peers_moving_their_windows_about_get_whole_messages(
     io_clock: trio.testing.MockClock,
 ) -> None:

@@ -122,6 +122,7 @@ def expected(text: str, **kwargs: Any) -> tuple[str, Any]:
     return outcome(decode)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tables(), st.sampled_from(["compact", "compact", "compact", "ascii", "spaced", "pretty"]))
 def test_loads_items_agrees_with_loads_and_compact(table: Node, style: str) -> None:

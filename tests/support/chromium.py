@@ -2,8 +2,10 @@
 
 Every run has a fresh profile and loads one page of 127.0.0.1: the flags keep
 it from calling home (no background networking, component updates, sync or
-QUIC), and its resolver maps every other host name to nothing. Missing, it
-fails the test with the package to install (`.ci/install-peers` installs it).
+QUIC), and its resolver maps every other host name to nothing. Installing it
+takes root (Debian's `chromium`; `.ci/run` installs it in CI), so where it is
+missing it is a peer this machine does not have (tests/support/peers_needed.py):
+its tests are not run locally, and fail in CI.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
 import trio
+
+from bench.toolchains import Missing
+from tests.support.peers_needed import need
 
 REQUIRED_FLAGS = (
     "--headless",
@@ -37,15 +41,15 @@ LOCAL_ONLY_FLAGS = (
 RUN_TIMEOUT = 90.0
 
 
-def chromium_path() -> str:
+def _find_chromium() -> tuple[str, str]:
     path = shutil.which("chromium")
     if path is None:
-        pytest.fail(
-            "the page's browser tests need Chromium (Debian package chromium);"
-            " run .ci/install-peers (as root) to install it",
-            pytrace=False,
-        )
-    return path
+        raise Missing("Debian's chromium is not installed", "`apt-get install chromium` (as root)")
+    return path, "Debian chromium"
+
+
+def chromium_path() -> str:
+    return need("chromium", _find_chromium)
 
 
 async def run_chromium(url: str, workdir: Path, *flags: str) -> bytes:
