@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from jobsignal.cli import DEFAULT_TARGET, build_parser
+from jobsignal.client_cli import subscribe_options
 from jobsignal.config import DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ SIGNAL_LINE = r"demo/\S+ (pending|running|complete|failed) (add|delete)"
 # A row of `jobsignal jobs`: NAMESPACE NAME STATUS NPUS AGE.
 JOBS_ROW = r"^demo +\S+ +(pending|running|complete|failed) +"
 # Example values of the commands table's placeholders.
-EXAMPLES = {"ROLE": "CCAgent", "NAMESPACE": "demo", "S": "20", "NAME": "job.Job"}
+EXAMPLES = {"ROLE": "CCAgent", "NAMESPACE": "demo", "S": "20", "NAME": "job.Job", "N": "2"}
 
 
 def section(title: str) -> str:
@@ -63,7 +64,7 @@ INLINE = sorted(
     code
     for code in re.findall(r"`([^`]+)`", "\n".join(COMMANDS.split("\n\n")[1:3]))
     if code.startswith(("jobsignal ", "source <(jobsignal"))
-    and code.replace("\\|", "|") not in TABLE
+    and not any(row.startswith(code.replace("\\|", "|")) for row in TABLE)  # (a row, named)
 )
 
 
@@ -72,6 +73,7 @@ def concrete(command: str) -> list[str]:
     if "bash|zsh|tcsh" in command:
         return [command.replace("bash|zsh|tcsh", shell) for shell in ("bash", "zsh", "tcsh")]
     full = re.sub(r"\[([^\]]+)\]", r"\1", command)
+    full = re.sub(r"\b(\w+)\|\w+\b", r"\1", full)  # of alternatives (-o wide|json), the first
     for placeholder, value in EXAMPLES.items():
         full = re.sub(rf"\b{placeholder}\b", value, full)
     bare = re.sub(r" \[[^\]]+\]", "", command)
@@ -100,7 +102,10 @@ def demo() -> Iterator[str]:
 
 
 def with_target(command: str, target: str) -> str:
-    """The command pointed at the demo: its named address replaced, or one added."""
+    """The command pointed at the demo: its named address replaced, or one added (a
+    second demo's `--listen` is a free port of its own)."""
+    if command.startswith("jobsignal demo"):
+        return command.replace("HOST:PORT", "127.0.0.1:0")
     command = command.replace("127.0.0.1:8899", target).replace("HOST:PORT", target)
     for client in CLIENTS:
         if f"jobsignal {client}" in command and "--target" not in command:
@@ -169,7 +174,7 @@ def run_to_end(command: str, within: float = 60) -> subprocess.CompletedProcess[
 def test_the_snippets_are_found() -> None:
     """The parsing below reads what the README holds (a new command is run too)."""
     assert len(SH_BLOCKS) == 3
-    assert [c.split()[1] for c in TABLE] == ["serve", "demo", *CLIENTS, "completion"]
+    assert [c.split()[1] for c in TABLE] == ["serve", "demo", *CLIENTS, "clients", "completion"]
     assert INLINE == ["jobsignal subscribe --json | head -1", "source <(jobsignal completion bash)"]
 
 
@@ -222,6 +227,11 @@ def test_a_command_of_the_table_runs(command: str, demo: str) -> None:
     elif command.startswith("jobsignal check"):
         done = run_to_end(command)
         assert (done.returncode, done.stdout) == (0, "SERVING\n"), done.stderr
+    elif command.startswith("jobsignal clients"):
+        # The demo here serves no metrics port: pointed at its gRPC port, `clients`
+        # says which address it wants (tests/test_subscriptions.py asks a real one).
+        done = run_to_end(command)
+        assert done.returncode == 1 and "--metrics-listen" in done.stderr, done
     else:
         done = run_to_end(command)
         assert done.returncode == 0 and "jobsignal" in done.stdout, done.stderr
@@ -259,4 +269,5 @@ def test_the_client_default_target_is_where_serve_and_demo_listen() -> None:
     assert f"127.0.0.1:{port}" == DEFAULT_TARGET
     parser = build_parser()
     for client in CLIENTS:
-        assert parser.parse_args([client]).target == DEFAULT_TARGET
+        options = subscribe_options(parser.parse_args([client]), {})
+        assert f"{options.host}:{options.port}" == DEFAULT_TARGET
