@@ -1,7 +1,7 @@
 """What importing and embedding jobsignal leaves of the host process: everything as it was.
 
 In a fresh interpreter (this one has been through every other test), the
-modules `import jobsignal` would load are imported first, so their own
+modules `import jobsignal` and its public names would load are imported first, so their own
 import-time effects (trio-asyncio's on asyncio, say) happen before anything
 is compared; then everything a library must not touch is recorded: every
 module's namespace, `sys.modules`, the loggers (levels, handlers, filters),
@@ -26,11 +26,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Prints the non-jobsignal modules that `import jobsignal` loads.
+# Prints the non-jobsignal modules that `import jobsignal` and its public names load
+# (the package imports its layers on first use of a name, see jobsignal/__init__.py).
 LOADED_BY_IMPORT = """
 import json, sys
 before = set(sys.modules)
 import jobsignal
+for name in jobsignal.__all__:
+    getattr(jobsignal, name)
 print(json.dumps(sorted(
     name for name in set(sys.modules) - before
     if name != "jobsignal" and not name.startswith("jobsignal.")
