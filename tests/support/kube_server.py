@@ -31,11 +31,17 @@ def target(server: RunningJobsignal) -> str:
 
 @asynccontextmanager
 async def open_kube_server(
-    emu: KubeEmulator, tmp_path: Path, *, ready: bool = False, **flags: str
+    emu: KubeEmulator,
+    tmp_path: Path,
+    *,
+    ready: bool = False,
+    settle_memory: bool = False,
+    **flags: str,
 ) -> AsyncIterator[RunningJobsignal]:
     """`jobsignal serve` on 127.0.0.1 and an ephemeral port, watching `emu`.
 
-    With `ready`, returns once the first LIST is loaded. `flags` are settings by
+    With `ready`, returns once the first LIST is loaded; `settle_memory` as
+    `run_jobsignal` takes it (the CLI asks for it). `flags` are settings by
     name, as `load_config` takes them (e.g. `shutdown_grace="2"`).
     """
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emu.url)
@@ -43,20 +49,20 @@ async def open_kube_server(
         {"listen": "127.0.0.1:0", "source": "kubernetes", "kubeconfig": str(kubeconfig), **flags},
         {},
     )
-    async with open_configured_server(config, ready=ready) as server:
+    async with open_configured_server(config, ready=ready, settle_memory=settle_memory) as server:
         yield server
 
 
 @asynccontextmanager
 async def open_configured_server(
-    config: Config, *, ready: bool = False
+    config: Config, *, ready: bool = False, settle_memory: bool = False
 ) -> AsyncIterator[RunningJobsignal]:
     """`run_jobsignal(config)` for the block, shut down gracefully after it; with
     `ready`, returns once its source's first LIST (or snapshot) is applied."""
     raised: BaseException | None = None
     async with trio.open_nursery() as nursery:
         server: RunningJobsignal = await nursery.start(
-            functools.partial(run_jobsignal, config, environ={})
+            functools.partial(run_jobsignal, config, environ={}, settle_memory=settle_memory)
         )
         try:
             if ready:
