@@ -1,7 +1,7 @@
 """What importing and embedding jobsignal leaves of the host process: everything as it was.
 
 In a fresh interpreter (this one has been through every other test), the
-modules `import jobsignal` would load are imported first, so their own
+modules `import jobsignal` and its public names would load are imported first, so their own
 import-time effects (trio-asyncio's on asyncio, say) happen before anything
 is compared; then everything a library must not touch is recorded: every
 module's namespace, `sys.modules`, the loggers (levels, handlers, filters),
@@ -33,7 +33,8 @@ LOADED_BY_IMPORT = """
 import json, sys
 before = set(sys.modules)
 import jobsignal
-jobsignal.serve, jobsignal.watch_jobs, jobsignal.open_subscription
+for name in jobsignal.__all__:  # every public name, each importing what it needs
+    getattr(jobsignal, name)
 print(json.dumps([
     name for name in list(sys.modules) if name not in before
     and name != "jobsignal" and not name.startswith("jobsignal.")

@@ -2,8 +2,9 @@
 
 `release_free_memory` is glibc's `malloc_trim(0)`: the first test shows that
 pages freed below a live allocation, which glibc keeps on its own, leave the
-process's RSS once it is called. The second shows that a server calls it once
-its first LIST is loaded and again after every relist (here, after a 410).
+process's RSS once it is called. The second shows that a server asked to settle
+memory (as the CLI asks) calls it once its first LIST is loaded and again after
+every relist (here, after a 410).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ async def test_a_server_releases_memory_after_its_first_list_and_every_relist(
     monkeypatch.setattr(app, "release_free_memory", release_free_memory)
     cluster = Cluster(emu.state)
     cluster.write(ClusterdJob("training", "a", "uid-a"), "pending")
+    # As `jobsignal serve` runs it: an embedded server settles no memory unless asked.
     async with open_kube_server(emu, tmp_path, ready=True, settle_memory=True) as server:
         status = server._parts.status
         # Once the first LIST is loaded (the task runs right after readiness).

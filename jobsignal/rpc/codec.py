@@ -110,12 +110,13 @@ def _varint(data: bytes, pos: int, most: int = 10) -> tuple[int, int]:
 def _check_fields(data: bytes, pos: int, group: int | None, depth: int) -> int:
     """Walk the fields from `pos` to the end of `data` or, inside a group, to the
     group's END_GROUP; return the position after them. As protobuf's parser: a
-    tag is a 32-bit varint of at most 5 bytes, and field number 0 is refused
-    outside groups only (inside one, fields are skipped unread)."""
+    tag is a 32-bit varint of at most 5 bytes. Field number 0 is invalid wherever
+    it appears, inside groups too (as protobuf's C++ parser and upb up to 6.33
+    hold; upb from 7.34 skips a group's fields unchecked)."""
     while pos < len(data):
         tag, pos = _varint(data, pos, most=5)
         number, wire_type = tag >> 3, tag & 7
-        if tag > 0xFFFFFFFF or (number == 0 and group is None):
+        if tag > 0xFFFFFFFF or number == 0:
             raise ValueError("invalid field tag")
         if wire_type == _WIRE_VARINT:
             pos = _varint(data, pos)[1]

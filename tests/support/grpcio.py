@@ -225,6 +225,27 @@ class GrpcioStream:
 
 # -- what a grpcio client must see -----------------------------------------------------------
 
+# A ping flood ends the flooder's connection with GOAWAY ENHANCE_YOUR_CALM "too_many_pings"
+# (last stream id: its open streams), then the server closes it, as gRPC core and grpc-go
+# servers do; the open streams end at that close, UNAVAILABLE. grpcio carries the GOAWAY's
+# code and text into their status message from 1.81 on; before, the message is only
+# "Socket closed" (the GOAWAY is in gRPC core's error chain, which Python does not get).
+# Every version reports the GOAWAY in gRPC core's log, on stderr: PING_FLOOD_LOG.
+GOAWAY_IN_STATUS = tuple(int(part) for part in grpc.__version__.split(".")[:2]) >= (1, 81)
+PING_FLOOD_LOG = (
+    'Received a GOAWAY with error code ENHANCE_YOUR_CALM and debug data equal to "too_many_pings"'
+)
+
+
+def assert_ended_for_too_many_pings(code: Any, details: str | None) -> None:
+    """The status a grpcio stream ends with when the server closes its connection for
+    a ping flood (what grpcio can say of it depends on its version, see above)."""
+    assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+    if GOAWAY_IN_STATUS:
+        assert details is not None and "too_many_pings" in details, details
+    else:
+        assert details == "Socket closed", details
+
 
 def expected_signal(job: JobSummary, uuid: str) -> dict[str, str]:
     """The JobSummarySignal fields (proto names) a client must see for `job`."""
