@@ -4,7 +4,8 @@
 and grpc-go toolchains, installed without root into .nox/: bench/toolchains.py),
 lint, protos_check, typecheck and tests. tests and typecheck run on every
 supported Python (3.11, 3.12, 3.13) found on the PATH: locally one is enough
-(nox says which it skipped), in CI (CI=true) a missing one fails the run.
+(nox says which it skipped), in CI (CI=true) a missing one fails the run, and
+CI also runs tests_lowest and tests_newest (the ends of the dependency ranges).
 """
 
 from __future__ import annotations
