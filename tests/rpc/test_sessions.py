@@ -430,3 +430,30 @@ def test_a_service_without_sessions_says_so() -> None:
                 await in_handler(job_service(), client.request())
 
     trio.run(main)
+
+
+async def test_snapshots_take_turns_and_a_client_that_does_not_read_holds_only_its_own(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """At most `Sessions.snapshots` sessions compose and write their snapshots at once
+    (one here): the next waits for the turn, and gets its whole snapshot once the
+    one before has written its own."""
+    settings = SessionSettings(snapshot_roles=frozenset({ROLE}))
+    async with running_sessions(settings) as sessions:
+        sessions.broadcaster.publish([make_job(index) for index in range(3)])
+        sessions.snapshots.total_tokens = 1
+        stuck, waiting = Client(sessions.registry), Client(sessions.registry)
+        stuck.hold = trio.Event()  # its client does not read: the write waits
+        opened(sessions, stuck)
+        await trio.testing.wait_all_tasks_blocked()
+        opened(sessions, waiting)
+        await trio.sleep(30)
+        assert stuck.sent == [] and waiting.sent == []  # the turn is the stuck one's
+        assert sessions.snapshots.borrowed_tokens == 1
+        stuck.hold.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(stuck.sent) == 3 and len(waiting.sent) == 3
+        assert sessions.snapshots.borrowed_tokens == 0
+        sessions.broadcaster.publish([make_job(7)])  # live events after the snapshots
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(stuck.sent) == len(waiting.sent) == 4
