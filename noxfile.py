@@ -33,6 +33,10 @@ PROTO_DIR = ROOT / "protos"
 GENERATED_DIR = ROOT / "jobsignal" / "_proto"
 # Every supported Python; pyproject.toml's requires-python and classifiers say the same.
 PYTHONS = ["3.11", "3.12", "3.13"]
+# pytest-xdist workers of the test sessions: most tests wait on sockets, child
+# processes and real timers rather than compute, so two share even one core
+# well; more than four gains little over the longest test files.
+TEST_WORKERS = min(4, max(2, os.cpu_count() or 1))
 
 # The compiler pipes its output through ruff, so the generated text depends on
 # the exact versions of all three.
@@ -155,7 +159,16 @@ def tests(session: nox.Session) -> None:
     """Run the whole test suite (unit, integration over loopback, interop with grpcio,
     grpc-js and grpc-go)."""
     session.install("-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    _pytest(session)
+
+
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    """pytest on TEST_WORKERS pytest-xdist workers, a test file to one worker (its
+    module fixtures made once), unless the arguments say otherwise (`-n 0`: none)."""
+    given = (*args, *session.posargs)
+    chosen = any(arg.startswith(("-n", "--numprocesses", "--dist")) for arg in given)
+    workers = () if chosen else ("--numprocesses", str(TEST_WORKERS), "--dist", "loadfile")
+    session.run("pytest", *workers, *given, env=env)
 
 
 @nox.session(python=PYTHON, requires=["peers"], default=False)
@@ -163,11 +176,10 @@ def interop(session: nox.Session) -> None:
     """The interop tests and the benchmark smoke test with every peer: a peer that
     cannot be had fails them (as in CI) instead of leaving them out."""
     session.install("-e", ".[test]")
-    session.run(
-        "pytest",
+    _pytest(
+        session,
         "tests/interop",
         "tests/test_bench_smoke.py",
-        *session.posargs,
         env={"JOBSIGNAL_REQUIRE_PEERS": "1"},
     )
 
@@ -236,11 +248,11 @@ if os.environ.get("CI", "").lower() not in ("", "0", "false"):
 def tests_lowest(session: nox.Session) -> None:
     """The suite on the lowest versions the ranges admit (constraints/lowest.txt), oldest Python."""
     session.install("-e", ".[test]", "-c", str(LOWEST_CONSTRAINTS))
-    session.run("pytest", *session.posargs)
+    _pytest(session)
 
 
 @nox.session(python=PYTHONS[-1])
 def tests_newest(session: nox.Session) -> None:
     """The suite on the newest releases the ranges admit, newest Python."""
     session.install("--upgrade", "--upgrade-strategy", "eager", "-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    _pytest(session)

@@ -30,7 +30,8 @@ adds no jumps (each jump of `io_clock` costs its threshold in real time).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
+from typing import cast
 
 import pytest
 import trio.testing
@@ -38,12 +39,30 @@ import trio_asyncio  # noqa: F401  (before any grpclib: jobsignal/rpc/__init__.p
 import trustme
 
 from jobsignal.sim.emulator import KubeEmulator, open_emulator
+from tests.support import peers_needed
 from tests.support.cluster import TOKEN
 from tests.support.grpcio import GrpcioClients, GrpcioStubs, load
-from tests.support.peers_needed import summary as peers_summary
 
 #: Real seconds every task must have been blocked before `io_clock` jumps.
 IO_AUTOJUMP_THRESHOLD = 0.02
+# The test report's property that carries a worker's news of the peers.
+PEERS_NEWS = "jobsignal-peers"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport() -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Tell the controller (pytest-xdist) which peers this worker ran or missed."""
+    report = yield
+    news = peers_needed.news()
+    if news is not None:
+        report.user_properties.append((PEERS_NEWS, news))
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == PEERS_NEWS:
+            peers_needed.learn(cast("dict[str, dict[str, str]]", value))
 
 
 @pytest.hookimpl(trylast=True)
@@ -57,7 +76,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             reasons[reason] = reasons.get(reason, 0) + 1
     for reason, count in reasons.items():
         terminalreporter.write_line(f"skipped {count}: {reason}", yellow=True)
-    if (line := peers_summary()) is not None:
+    if (line := peers_needed.summary()) is not None:
         terminalreporter.write_line(line, bold=True)
 
 

@@ -62,6 +62,7 @@ def test_a_missing_peer_is_skipped_locally_failed_in_ci_and_summed_up(
 ) -> None:
     monkeypatch.setattr(peers_needed, "_ran", {})
     monkeypatch.setattr(peers_needed, "_missing", {})
+    monkeypatch.setattr(peers_needed, "_unreported", False)
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("JOBSIGNAL_REQUIRE_PEERS", raising=False)
 
@@ -71,10 +72,19 @@ def test_a_missing_peer_is_skipped_locally_failed_in_ci_and_summed_up(
     assert peers_needed.need("grpc-js", lambda: ("node", "node v24")) == "node"
     with pytest.raises(pytest.skip.Exception, match="grpc-go peer not available: no apt-get"):
         peers_needed.need("grpc-go", missing)
-    assert peers_needed.summary() == (
+    summed_up = (
         "interop peers: grpcio, grpc-js (node v24) ran;"
         " grpc-go NOT RUN (no apt-get here; to get it: run it on Debian)"
     )
+    assert peers_needed.summary() == summed_up
+    # A pytest-xdist worker's news reaches the controller once, and sums up the same.
+    news = peers_needed.news()
+    assert news is not None
+    assert peers_needed.news() is None
+    monkeypatch.setattr(peers_needed, "_ran", {})
+    monkeypatch.setattr(peers_needed, "_missing", {})
+    peers_needed.learn(news)
+    assert peers_needed.summary() == summed_up
     for variable in ("CI", "JOBSIGNAL_REQUIRE_PEERS"):
         with monkeypatch.context() as required:
             required.setenv(variable, "true" if variable == "CI" else "1")
