@@ -66,6 +66,8 @@ def _never_connected(error: BaseException) -> bool:
 
 # Refusals that another attempt cannot cure: a wrong role or a bad request.
 FATAL_STATUSES = frozenset({GrpcStatus.INVALID_ARGUMENT, GrpcStatus.UNIMPLEMENTED})
+# Seconds a cancelled subscriber waits for its stream's reset to be queued.
+CLOSE_STREAM_TIMEOUT = 1.0
 
 
 Signal: TypeAlias = JobSummarySignal | JobSummarySignalList
@@ -209,11 +211,12 @@ async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
             stream = _subscription(channel, request, options.list_mode)
             if options.on_subscribed is not None:
                 options.on_subscribed(client_id)
-            # Closed when our caller stops early, not left to the garbage collector.
-            async with aclosing(trio_asyncio.aio_as_trio(stream).__aiter__()) as messages:
-                async for message in messages:
+            try:
+                while (message := await _next_message(stream)) is not None:
                     backoff.reset()
                     yield message
+            finally:
+                await _close_stream(stream)
             log.warning("stream ended without a status; resubscribing")
         except GRPCError as error:
             if error.status in FATAL_STATUSES:
@@ -233,6 +236,29 @@ async def subscribe(options: SubscribeOptions) -> AsyncGenerator[Signal, None]:
         finally:
             channel.close()
         await trio.sleep(backoff.next_delay())
+
+
+async def _next_message(stream: AsyncGenerator[Signal, None]) -> Signal | None:
+    """The stream's next message (None: it ended), read by an asyncio task.
+
+    Not trio_asyncio's iterator adapter (`aio_as_trio(stream)`): when a
+    cancellation (Ctrl-C) interrupts a read whose stream then fails instead
+    of taking the cancellation (the connection closes as the loop stops), the
+    adapter hands that late error to whatever the trio task waits on next, so
+    Ctrl-C ended a subscriber with StreamTerminatedError. Waiting for the read
+    task as a future, the task is woken once, by its own read's outcome.
+    """
+    try:
+        return await trio_asyncio.aio_as_trio(stream.__anext__)()
+    except StopAsyncIteration:
+        return None
+
+
+async def _close_stream(stream: AsyncGenerator[Signal, None]) -> None:
+    """Close the stream on the asyncio side (its call reset), even while the trio
+    task is being cancelled: briefly shielded, it only queues frames."""
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_STREAM_TIMEOUT):
+        await trio_asyncio.aio_as_trio(stream.aclose)()
 
 
 @asynccontextmanager

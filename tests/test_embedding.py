@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,56 @@ def test_example_program_runs() -> None:
     assert len(lines) == 3
     assert all(line.startswith("demo/") and "(add)" in line for line in lines), lines
     assert "Traceback" not in result.stderr
+
+
+SUBSCRIBER = """
+import sys
+import trio
+import jobsignal
+
+async def main():
+    options = jobsignal.SubscribeOptions("127.0.0.1", int(sys.argv[1]), role="CCAgent")
+    async with jobsignal.open_subscription(options) as signals:
+        async for signal in signals:
+            print(signal.job_name, flush=True)
+
+trio.run(main)
+"""
+
+
+async def test_ctrl_c_ends_a_subscriber_with_keyboard_interrupt_not_a_stream_error() -> None:
+    """Ctrl-C during a subscription ends the program as Ctrl-C does: KeyboardInterrupt
+    (trio_asyncio's iterator adapter once handed the cancelled read's late
+    StreamTerminatedError to the program instead)."""
+    config = jobsignal.configure(listen="127.0.0.1:0", source="demo", log_level="warning")
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server: jobsignal.RunningJobsignal = await nursery.start(
+                functools.partial(jobsignal.serve, config, environ={})
+            )
+            # Ctrl-C a moment after the first signals, while the subscriber waits
+            # for more (not while it prints the first ones).
+            for pause in (0.3, 0.6, 1.2):
+                process = await trio.lowlevel.open_process(
+                    [sys.executable, "-c", SUBSCRIBER, str(server.port)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env={**os.environ, "PYTHONPATH": path},
+                )
+                assert process.stdout is not None and process.stderr is not None
+                first = await process.stdout.receive_some()  # subscribed: signals arrive
+                assert first.strip(), "the subscriber printed nothing"
+                await trio.sleep(pause)
+                process.send_signal(signal.SIGINT)
+                stderr = bytearray()
+                while chunk := await process.stderr.receive_some():
+                    stderr += chunk
+                await process.wait()
+                await process.stdout.aclose()
+                await process.stderr.aclose()
+                told = stderr.decode()
+                assert process.returncode == -signal.SIGINT, told
+                assert told.rstrip().endswith("KeyboardInterrupt"), told
+                assert "StreamTerminatedError" not in told
+            server.request_shutdown()
