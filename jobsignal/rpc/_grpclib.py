@@ -272,32 +272,6 @@ def _checked_stream(
     return stream
 
 
-def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) -> None:
-    """Call `callback` for each DATA or HEADERS frame the server sends on this connection.
-
-    Every path that writes (grpclib's, and `rpc.writer`'s fast path) goes
-    through h2's `send_data` (one frame per call, as frames are split to the
-    peer's frame size before) and `send_headers`.
-    """
-    setattr(h2_connection, "send_data", _Noted(h2_connection.send_data, callback))  # noqa: B010
-    setattr(h2_connection, "send_headers", _Noted(h2_connection.send_headers, callback))  # noqa: B010
-
-
-class _Noted:
-    """An h2 send method that calls `callback` first (an object with two slots, not a
-    closure: one of these per connection and method)."""
-
-    __slots__ = ("_send", "callback")
-
-    def __init__(self, send: Callable[..., None], callback: Callable[[], None]) -> None:
-        self._send = send
-        self.callback = callback
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        self.callback()
-        self._send(*args, **kwargs)
-
-
 # -- reading requests and writing responses on a server stream ----------------------------------
 
 
@@ -382,11 +356,7 @@ def _send_data_frame(
 
 
 def _account_data_frame(h2_connection: H2Connection, h2_stream: H2Stream, size: int) -> None:
-    """A DATA frame of `size` payload bytes leaves: the frames-sent hook sees it, and
-    both flow-control windows shrink by it."""
-    noted = h2_connection.send_data
-    if type(noted) is _Noted:
-        noted.callback()
+    """A DATA frame of `size` payload bytes leaves: both flow-control windows shrink by it."""
     h2_stream.outbound_flow_control_window -= size
     h2_connection.outbound_flow_control_window -= size
 
@@ -434,8 +404,8 @@ class DirectSender:
         return len(self._h2.streams) == 1
 
     def frame_now(self, message: bytes) -> bytes | None:
-        """The DATA frame carrying `message`, accounted as sent (both windows, the
-        frames-sent hook, grpclib's last-data time), when HTTP/2 lets all of it go
+        """The DATA frame carrying `message`, accounted as sent (both windows,
+        grpclib's last-data time), when HTTP/2 lets all of it go
         now in one frame; else None, and nothing changed. The caller writes the
         frame (`write`) before anything else is written on the connection."""
         h2_connection, h2_stream, connection = self._h2, self._h2_stream, self._connection
@@ -698,13 +668,7 @@ def encode_message(message: str) -> str:
     return encoded
 
 
-# -- for tests: a connection's socket writes, grpclib's deferred clean-up ------------------------
-
-
-def transport_of(protocol: H2Protocol) -> asyncio.Transport:
-    """The socket transport a connection's frames are written to."""
-    transport: asyncio.Transport = protocol.connection._transport
-    return transport
+# -- for tests: grpclib's deferred clean-up -------------------------------------------------------
 
 
 def collect_garbage() -> None:
