@@ -1,10 +1,12 @@
-"""The one place where jobsignal reaches into grpclib and h2 internals.
+"""The one place where jobsignal reaches into its dependencies' internals.
 
 grpclib (a range in pyproject.toml) has no hooks for what a production server
 must see and bound per connection: PING frames, stream resets, the streams a
-connection holds, the frames the server sends. Each private access lives in
-a named function here, so a grpclib upgrade breaks this module (and its
-contract test, tests/rpc/test_grpclib_adapter.py) and nothing else.
+connection holds. Each private access to grpclib, h2, trio-asyncio or asyncio
+lives in a named function here, so an upgrade of one of them breaks this
+module (and its contract tests: tests/rpc/test_grpclib_adapter.py, and
+tests/rpc/test_socket_readers.py for the loop's readers) and nothing else.
+Each is kept because it pays or is needed (docs/architecture.md section 10).
 
 It also checks one condition of running grpclib on trio-asyncio
 (`check_current_task`): grpclib must have bound trio-asyncio's
@@ -112,7 +114,8 @@ async def start_server(
     wrap: Callable[[H2Protocol], asyncio.BaseProtocol] | None = None,
 ) -> list[asyncio.Server]:
     """`Server.start` on each address, with a backlog, and each connection's protocol
-    passed through `wrap` (TLS: rpc/tls_connections.py) if given. Host "" means every
+    (grpclib's own) passed through `wrap` if given (the server's observed protocol,
+    rpc/connections.py, and TLS around it, rpc/tls_connections.py). Host "" means every
     address of the host (IPv4 and IPv6 where it has both).
 
     grpclib knows the first listener only; the caller closes the others.
@@ -666,6 +669,70 @@ def encode_message(message: str) -> str:
     """A `grpc-message` header value (percent-encoded as gRPC requires)."""
     encoded: str = encode_grpc_message(message)
     return encoded
+
+
+# -- trio-asyncio's loop: its readers (rpc/socket_readers.py) ----------------------------------
+# trio-asyncio serves asyncio's `add_reader` with its loop's private `_add_reader`
+# (a trio task per descriptor); `rpc.socket_readers` takes that method over and
+# keeps the rest of trio-asyncio's reader bookkeeping. Checked against the
+# installed trio-asyncio and asyncio by tests/rpc/test_socket_readers.py.
+
+
+def take_over_readers(loop: asyncio.AbstractEventLoop, add_reader: Callable[..., Any]) -> None:
+    """Have `add_reader(fileobj, callback, *args)` serve every reader `loop` adds from
+    now on (`add_reader` and each transport's reads), on this loop object only."""
+    trio_asyncio_loop: Any = loop
+    trio_asyncio_loop._add_reader = add_reader
+
+
+def add_reader_with_trio_asyncio(
+    loop: asyncio.AbstractEventLoop, fileobj: Any, callback: Callable[..., object], *args: Any
+) -> asyncio.Handle:
+    """trio-asyncio's own way of adding a reader (its trio task for the descriptor),
+    whether or not `take_over_readers` replaced it on `loop`."""
+    handle: asyncio.Handle = type(loop)._add_reader(loop, fileobj, callback, *args)  # type: ignore[attr-defined]
+    return handle
+
+
+def check_loop_open(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio's RuntimeError for a closed loop, as its `add_reader` raises it."""
+    trio_asyncio_loop: Any = loop
+    trio_asyncio_loop._check_closed()
+
+
+def set_read_handle(
+    loop: asyncio.AbstractEventLoop, fd: int, handle: asyncio.Handle
+) -> asyncio.Handle | None:
+    """Make `handle` the reader of `fd` in trio-asyncio's map of readers and writers
+    (which its `remove_reader` and its transports consult); the reader it replaced."""
+    trio_asyncio_loop: Any = loop
+    replaced: asyncio.Handle | None = trio_asyncio_loop._set_read_handle(fd, handle)
+    return replaced
+
+
+class ReaderHandle(asyncio.Handle):
+    """A reader's handle that trio-asyncio's loop can close with: at close it cancels
+    the trio cancel scope it finds in each reader's `_scope`; this one has none."""
+
+    __slots__ = ("_scope",)
+
+    def __init__(
+        self, callback: Callable[..., object], args: Sequence[Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        super().__init__(callback, args, loop)
+        self._scope = None
+
+
+def run_handle(handle: asyncio.Handle) -> None:
+    """Run a handle's callback as the loop would (errors to its exception handler)."""
+    runnable: Any = handle
+    runnable._run()
+
+
+def callback_of(handle: asyncio.Handle) -> tuple[Callable[..., object], tuple[Any, ...]]:
+    """A handle's callback and its arguments."""
+    held: Any = handle
+    return held._callback, held._args
 
 
 # -- for tests: grpclib's deferred clean-up -------------------------------------------------------

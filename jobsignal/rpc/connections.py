@@ -767,11 +767,13 @@ class ObservedH2Protocol(H2Protocol):
 
 
 class JobsignalServer(grpclib.server.Server):
-    """grpclib's Server, with connections observed through `ConnectionTable`."""
+    """grpclib's Server, with connections observed through `ConnectionTable`: its
+    listeners (`rpc._grpclib.start_server`) pass each protocol grpclib makes
+    through `observe`."""
 
     def __init__(self, *args: Any, connections: ConnectionTable, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connections = connections
 
-    def _protocol_factory(self) -> H2Protocol:
-        return ObservedH2Protocol(super()._protocol_factory(), self.connections)
+    def observe(self, protocol: H2Protocol) -> ObservedH2Protocol:
+        return ObservedH2Protocol(protocol, self.connections)
