@@ -18,7 +18,6 @@ import pytest
 import trio
 import trio_asyncio
 from grpclib.config import Configuration
-from h2.config import H2Configuration
 from h2.connection import ConnectionInputs, H2Connection
 from h2.events import (
     DataReceived,
@@ -38,6 +37,7 @@ import jobsignal.rpc  # noqa: F401  (importing jobsignal.rpc installs the adapte
 from jobsignal.rpc import _grpclib
 from tests.support.grpc_server import open_jobsignal_server
 from tests.support.grpcio import GrpcioClients, GrpcioStream
+from tests.support.h2_client import h2_pair
 from tests.support.threads import in_thread
 from tests.support.waiting import wait_until
 
@@ -125,18 +125,6 @@ async def test_every_grpclib_internal_the_adapter_uses_exists() -> None:
 
 
 # -- the advertised stream limit ---------------------------------------------------------------
-
-
-def h2_pair() -> tuple[H2Connection, H2Connection]:
-    """A server and a client h2 connection that have exchanged prefaces and SETTINGS."""
-    server = H2Connection(H2Configuration(client_side=False, header_encoding="ascii"))
-    client = H2Connection(H2Configuration(client_side=True, header_encoding="ascii"))
-    client.initiate_connection()
-    server.initiate_connection()
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
-    return server, client
 
 
 def test_advertised_stream_limit_survives_the_acknowledgement() -> None:

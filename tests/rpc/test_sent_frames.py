@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from h2.config import H2Configuration
-from h2.connection import H2Connection
 
 from jobsignal.rpc.sent_frames import FrameCountingTransport
+from tests.support.h2_client import h2_pair
 
 
 class Socket:
@@ -38,12 +37,7 @@ def server_output() -> tuple[bytes, int]:
     headers and trailers (a block over one frame: HEADERS and CONTINUATION), DATA
     frames of several sizes, a WINDOW_UPDATE, RST_STREAM and GOAWAY; and how many of
     those frames are DATA or HEADERS."""
-    server = H2Connection(H2Configuration(client_side=False, header_encoding="ascii"))
-    client = H2Connection(H2Configuration(client_side=True, header_encoding="ascii"))
-    client.initiate_connection()
-    server.initiate_connection()
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
+    server, client = h2_pair()
     request = [(":method", "POST"), (":scheme", "http"), (":path", "/p"), (":authority", "h")]
     client.send_headers(1, request, end_stream=True)
     client.send_headers(3, request, end_stream=True)
