@@ -246,8 +246,8 @@ def _describe(error: ProtocolError) -> str:
 
 class ObservedH2Protocol(H2Protocol):
     # Few attribute names, grpclib's included: from 29 of them (30 before Python
-    # 3.13) CPython gives every instance a dict of its own, 1.3 KB per connection
-    # (tests/rpc/test_lean_state.py). Derive what can be derived.
+    # 3.13) CPython gives every instance a dict of its own, 1.3 KB per connection.
+    # Derive what can be derived.
     activity: ConnectionActivity
     output: ConnectionOutput
 
@@ -471,7 +471,6 @@ class ObservedH2Protocol(H2Protocol):
         window_may_have_opened = False
         for event in events:
             if isinstance(event, RemoteSettingsChanged):
-                # (Its settings are settled, and shared, on receipt: LeanSettings.)
                 _grpclib.keep_encoder_table_empty(self._h2)
                 if self._handshake_timer is not None:
                     self._handshake_timer.cancel()

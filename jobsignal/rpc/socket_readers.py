@@ -9,7 +9,7 @@ descriptor; when it is readable, the task runs the read callback of every
 socket that is ready, once each, then lets the asyncio loop run what those
 callbacks scheduled, as trio-asyncio's task does after each callback. A
 connection's reader is then an asyncio handle and a kernel registration
-(docs/architecture.md section 8, "Lean per-connection state").
+(docs/architecture.md section 8, "One reader for every socket").
 
 Level-triggered epoll reports a socket again while it holds unread bytes, so
 one peer sending without pause gets one read per round, like every other
