@@ -234,6 +234,8 @@ def one_run(bench: Bench, spec: RealPath, kind: str, window: float) -> dict[str,
         window_end_ns = time.time_ns()
         server_cores, cluster_cores = meter.stop()
         stats_after = server.request({"cmd": "stats"})
+        # (Read while the server runs: the children stop when this block ends.)
+        rss_bytes = server.rss_bytes() if server.proc.poll() is None else None
         changes_after = cluster.request({"cmd": "stats"})["changes"]
         pairs = collect_samples(bench, client)
     in_window = [(t, lat) for t, lat in pairs if window_start_ns <= t <= window_end_ns]
@@ -272,7 +274,7 @@ def one_run(bench: Bench, spec: RealPath, kind: str, window: float) -> dict[str,
         "arrivals": arrived,
         "loadgen_errors": count_after["errors"],
         "loadgen_ended": count_after["ended"],
-        "rss_bytes": server.rss_bytes() if server.proc.poll() is None else None,
+        "rss_bytes": rss_bytes,
     }
 
 

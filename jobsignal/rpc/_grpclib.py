@@ -1,32 +1,32 @@
-"""The one place where jobsignal reaches into grpclib and h2 internals.
+"""The one place where jobsignal reaches into its dependencies' internals.
 
 grpclib (a range in pyproject.toml) has no hooks for what a production server
 must see and bound per connection: PING frames, stream resets, the streams a
-connection holds, the frames the server sends. Each private access lives in
-a named function here, so a grpclib upgrade breaks this module (and its
-contract test, tests/rpc/test_grpclib_adapter.py) and nothing else.
+connection holds. Each private access to grpclib, h2, trio-asyncio or asyncio
+lives in a named function here, so an upgrade of one of them breaks this
+module (and its contract tests: tests/rpc/test_grpclib_adapter.py, and
+tests/rpc/test_socket_readers.py for the loop's readers) and nothing else.
+Each is kept because it pays or is needed (docs/architecture.md section 10).
 
 It also checks one condition of running grpclib on trio-asyncio
 (`check_current_task`): grpclib must have bound trio-asyncio's
 `asyncio.current_task`, or on Python 3.12+ every RPC fails with UNKNOWN.
 
-And it keeps an idle connection small (docs/architecture.md section 8, "Lean
-per-connection state"). h2, grpclib and asyncio hold about twenty
-`collections.deque`s per connection and stream (each setting of both peers,
-HPACK's tables, every asyncio Event's and Queue's waiters, the stream's
-buffers), at about 760 bytes each even when empty, and two dicts of bound
-methods; the `lighten_*` functions swap them for the containers of
-`rpc.lean`, and `accept_request` drops a finished handler task at once,
-where grpclib kept it (and its stream) until the connection's tenth request.
+`accept_request` drops a finished handler task at once, where grpclib kept
+it (and its stream) until the connection's tenth request.
 
-Last, the hot paths of a subscription, each checked against h2's own:
-`send_now` queues its DATA frames into h2 the way h2's own `send_data` does
-(state machines, both windows, the output buffer) without building a
-hyperframe frame object, the largest cost of a delivery after the system
-call (docs/architecture.md section 6), and `DirectSender` writes one whole
-message from `publish` in one piece; `receive_pings_and_window_updates`
-takes the PING and WINDOW_UPDATE frames a client answers each message with
-the way h2's `receive_data` would (section 8).
+The hot paths of a subscription, each checked against h2's own and each
+measured on the real path (docs/architecture.md section 10: 12 to 19 % of
+CPU per message, 31 to 49 % of p99): `send_now` queues its DATA frames into
+h2 the way h2's own `send_data` does (state machines, both windows, the
+output buffer) without building a hyperframe frame object, and
+`DirectSender` writes one whole message from `publish` in one piece;
+`receive_pings_and_window_updates` takes the PING and WINDOW_UPDATE frames a
+client answers each message with the way h2's `receive_data` would
+(section 8).
+
+Last, the server loop's socket readers (`rpc.socket_readers`) take over
+trio-asyncio's `_add_reader`; the functions they use are at the end.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ async def start_server(
     wrap: Callable[[H2Protocol], asyncio.BaseProtocol] | None = None,
 ) -> list[asyncio.Server]:
     """`Server.start` on each address, with a backlog, and each connection's protocol
-    passed through `wrap` (TLS: rpc/tls_connections.py) if given. Host "" means every
+    (grpclib's own) passed through `wrap` if given (the server's observed protocol,
+    rpc/connections.py, and TLS around it, rpc/tls_connections.py). Host "" means every
     address of the host (IPv4 and IPv6 where it has both).
 
     grpclib knows the first listener only; the caller closes the others.
@@ -272,32 +273,6 @@ def _checked_stream(
     return stream
 
 
-def on_frames_sent(h2_connection: H2Connection, callback: Callable[[], None]) -> None:
-    """Call `callback` for each DATA or HEADERS frame the server sends on this connection.
-
-    Every path that writes (grpclib's, and `rpc.writer`'s fast path) goes
-    through h2's `send_data` (one frame per call, as frames are split to the
-    peer's frame size before) and `send_headers`.
-    """
-    setattr(h2_connection, "send_data", _Noted(h2_connection.send_data, callback))  # noqa: B010
-    setattr(h2_connection, "send_headers", _Noted(h2_connection.send_headers, callback))  # noqa: B010
-
-
-class _Noted:
-    """An h2 send method that calls `callback` first (an object with two slots, not a
-    closure: one of these per connection and method)."""
-
-    __slots__ = ("_send", "callback")
-
-    def __init__(self, send: Callable[..., None], callback: Callable[[], None]) -> None:
-        self._send = send
-        self.callback = callback
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        self.callback()
-        self._send(*args, **kwargs)
-
-
 # -- reading requests and writing responses on a server stream ----------------------------------
 
 
@@ -382,11 +357,7 @@ def _send_data_frame(
 
 
 def _account_data_frame(h2_connection: H2Connection, h2_stream: H2Stream, size: int) -> None:
-    """A DATA frame of `size` payload bytes leaves: the frames-sent hook sees it, and
-    both flow-control windows shrink by it."""
-    noted = h2_connection.send_data
-    if type(noted) is _Noted:
-        noted.callback()
+    """A DATA frame of `size` payload bytes leaves: both flow-control windows shrink by it."""
     h2_stream.outbound_flow_control_window -= size
     h2_connection.outbound_flow_control_window -= size
 
@@ -434,8 +405,8 @@ class DirectSender:
         return len(self._h2.streams) == 1
 
     def frame_now(self, message: bytes) -> bytes | None:
-        """The DATA frame carrying `message`, accounted as sent (both windows, the
-        frames-sent hook, grpclib's last-data time), when HTTP/2 lets all of it go
+        """The DATA frame carrying `message`, accounted as sent (both windows,
+        grpclib's last-data time), when HTTP/2 lets all of it go
         now in one frame; else None, and nothing changed. The caller writes the
         frame (`write`) before anything else is written on the connection."""
         h2_connection, h2_stream, connection = self._h2, self._h2_stream, self._connection
@@ -698,13 +669,71 @@ def encode_message(message: str) -> str:
     return encoded
 
 
-# -- for tests: a connection's socket writes, grpclib's deferred clean-up ------------------------
+# -- trio-asyncio's loop: its readers (rpc/socket_readers.py) ----------------------------------
+# trio-asyncio serves asyncio's `add_reader` with its loop's private `_add_reader`
+# (a trio task per descriptor); `rpc.socket_readers` takes that method over and
+# keeps the rest of trio-asyncio's reader bookkeeping. Checked against the
+# installed trio-asyncio and asyncio by tests/rpc/test_socket_readers.py.
 
 
-def transport_of(protocol: H2Protocol) -> asyncio.Transport:
-    """The socket transport a connection's frames are written to."""
-    transport: asyncio.Transport = protocol.connection._transport
-    return transport
+def take_over_readers(loop: asyncio.AbstractEventLoop, add_reader: Callable[..., Any]) -> None:
+    """Have `add_reader(fileobj, callback, *args)` serve every reader `loop` adds from
+    now on (`add_reader` and each transport's reads), on this loop object only."""
+    trio_asyncio_loop: Any = loop
+    trio_asyncio_loop._add_reader = add_reader
+
+
+def add_reader_with_trio_asyncio(
+    loop: asyncio.AbstractEventLoop, fileobj: Any, callback: Callable[..., object], *args: Any
+) -> asyncio.Handle:
+    """trio-asyncio's own way of adding a reader (its trio task for the descriptor),
+    whether or not `take_over_readers` replaced it on `loop`."""
+    handle: asyncio.Handle = type(loop)._add_reader(loop, fileobj, callback, *args)  # type: ignore[attr-defined]
+    return handle
+
+
+def check_loop_open(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio's RuntimeError for a closed loop, as its `add_reader` raises it."""
+    trio_asyncio_loop: Any = loop
+    trio_asyncio_loop._check_closed()
+
+
+def set_read_handle(
+    loop: asyncio.AbstractEventLoop, fd: int, handle: asyncio.Handle
+) -> asyncio.Handle | None:
+    """Make `handle` the reader of `fd` in trio-asyncio's map of readers and writers
+    (which its `remove_reader` and its transports consult); the reader it replaced."""
+    trio_asyncio_loop: Any = loop
+    replaced: asyncio.Handle | None = trio_asyncio_loop._set_read_handle(fd, handle)
+    return replaced
+
+
+class ReaderHandle(asyncio.Handle):
+    """A reader's handle that trio-asyncio's loop can close with: at close it cancels
+    the trio cancel scope it finds in each reader's `_scope`; this one has none."""
+
+    __slots__ = ("_scope",)
+
+    def __init__(
+        self, callback: Callable[..., object], args: Sequence[Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        super().__init__(callback, args, loop)
+        self._scope = None
+
+
+def run_handle(handle: asyncio.Handle) -> None:
+    """Run a handle's callback as the loop would (errors to its exception handler)."""
+    runnable: Any = handle
+    runnable._run()
+
+
+def callback_of(handle: asyncio.Handle) -> tuple[Callable[..., object], tuple[Any, ...]]:
+    """A handle's callback and its arguments."""
+    held: Any = handle
+    return held._callback, held._args
+
+
+# -- for tests: grpclib's deferred clean-up -------------------------------------------------------
 
 
 def collect_garbage() -> None:

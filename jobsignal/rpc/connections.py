@@ -6,7 +6,8 @@ wraps it in `ObservedH2Protocol`, which owns what one connection may do:
 
 - client PINGs, and ACKs of the server's keepalive PINGs, are heartbeats for
   the idle rule, and ping strikes are
-  forgiven by every DATA or HEADERS frame the server sends (`rpc.activity`);
+  forgiven by every DATA or HEADERS frame the server sends (`rpc.activity`,
+  counted as they are written: `rpc.sent_frames`);
 - the abuse budgets of `rpc.guard` (Rapid Reset, control-frame floods) end
   the connection with GOAWAY ENHANCE_YOUR_CALM;
 - a handshake timeout for peers that never send the preface and SETTINGS;
@@ -73,6 +74,7 @@ from jobsignal.rpc.max_age import (
     Stage,
 )
 from jobsignal.rpc.output import ConnectionOutput, LateFlusher, TurnFlusher
+from jobsignal.rpc.sent_frames import FrameCountingTransport
 from jobsignal.util.text import quote
 
 log = logging.getLogger(__name__)
@@ -244,8 +246,8 @@ def _describe(error: ProtocolError) -> str:
 
 class ObservedH2Protocol(H2Protocol):
     # Few attribute names, grpclib's included: from 29 of them (30 before Python
-    # 3.13) CPython gives every instance a dict of its own, 1.3 KB per connection
-    # (tests/rpc/test_lean_state.py). Derive what can be derived.
+    # 3.13) CPython gives every instance a dict of its own, 1.3 KB per connection.
+    # Derive what can be derived.
     activity: ConnectionActivity
     output: ConnectionOutput
 
@@ -267,13 +269,23 @@ class ObservedH2Protocol(H2Protocol):
         self._aging: Aging | None = None  # with --max-connection-age
 
     @property
+    def socket_transport(self) -> asyncio.Transport:
+        """The transport of the connection's socket (under grpclib's counting one)."""
+        transport: asyncio.Transport = self._transport
+        return transport
+
+    @property
     def _limits(self) -> ProtocolLimits:
         return self._table.protocol_limits
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
+        # grpclib writes every frame of the connection through this one, which
+        # counts the DATA and HEADERS frames for the activity and the budget
+        # (made below, before the first write that holds either).
+        counting = FrameCountingTransport(transport)
+        super().connection_made(counting)
         self._h2 = _grpclib.h2_connection_of(self)
         self._transport = transport
         self._table.opened(self)
@@ -292,6 +304,15 @@ class ObservedH2Protocol(H2Protocol):
         shared = table.address_budgets.of(ip, now, connected=table.counter.per_ip)
         self.budget = ConnectionBudget(self._limits, now, shared)
         self.liveness = PeerLiveness(table.keepalive, now)
+        activity, budget = self.activity, self.budget
+
+        def frames_sent(count: int) -> None:
+            # Not a method: grpclib's finished streams keep the transport, which
+            # must not keep this protocol alive.
+            activity.note_sent()
+            budget.frames_sent(count)
+
+        counting.frames_sent = frames_sent
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(
             self._limits.handshake_timeout, self._handshake_expired
@@ -300,15 +321,6 @@ class ObservedH2Protocol(H2Protocol):
         advertised = self._table.limits.max_streams_per_connection
         _grpclib.advertise_stream_limit(self._h2, advertised, hard_stream_limit(advertised))
         _grpclib.keep_encoder_table_empty(self._h2)
-        activity, budget = self.activity, self.budget
-
-        def frames_sent() -> None:
-            # Not a method: h2's connection outlives this protocol in grpclib's
-            # finished streams, and must not keep it alive.
-            activity.note_sent()
-            budget.frames_sent()
-
-        _grpclib.on_frames_sent(self._h2, frames_sent)
         self.connection.flush()
         refusal = self._table.counter.refusal(ip)
         if refusal is not None:
@@ -459,7 +471,6 @@ class ObservedH2Protocol(H2Protocol):
         window_may_have_opened = False
         for event in events:
             if isinstance(event, RemoteSettingsChanged):
-                # (Its settings are settled, and shared, on receipt: LeanSettings.)
                 _grpclib.keep_encoder_table_empty(self._h2)
                 if self._handshake_timer is not None:
                     self._handshake_timer.cancel()
@@ -755,11 +766,13 @@ class ObservedH2Protocol(H2Protocol):
 
 
 class JobsignalServer(grpclib.server.Server):
-    """grpclib's Server, with connections observed through `ConnectionTable`."""
+    """grpclib's Server, with connections observed through `ConnectionTable`: its
+    listeners (`rpc._grpclib.start_server`) pass each protocol grpclib makes
+    through `observe`."""
 
     def __init__(self, *args: Any, connections: ConnectionTable, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connections = connections
 
-    def _protocol_factory(self) -> H2Protocol:
-        return ObservedH2Protocol(super()._protocol_factory(), self.connections)
+    def observe(self, protocol: H2Protocol) -> ObservedH2Protocol:
+        return ObservedH2Protocol(protocol, self.connections)

@@ -6,8 +6,8 @@ UNKNOWN when none has a status yet, NOT_SERVING otherwise; Check on an
 unknown entry ends with NOT_FOUND, Watch on one sends SERVICE_UNKNOWN and
 stays open. Serving them with the messages generated from
 protos/grpc/health/v1/health.proto means that an idle server, probed or not,
-never loads the protobuf runtime (docs/architecture.md section 8, "Lean
-per-connection state"); server reflection still describes the service
+never loads the protobuf runtime (docs/architecture.md section 2,
+"Health and reflection"); server reflection still describes the service
 (jobsignal/rpc/reflection.py).
 """
 

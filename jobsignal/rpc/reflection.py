@@ -2,7 +2,7 @@
 
 grpclib's reflection service answers from protobuf descriptor pools, and the
 protobuf runtime is the largest import the server would otherwise carry at
-idle (docs/architecture.md section 8, "Lean per-connection state"). So the
+idle (docs/architecture.md section 2, "Health and reflection"). So the
 server maps the reflection methods to `LazyReflection`, and only the first
 reflection request imports grpclib's service and builds the pools; the
 answers are grpclib's, as before.

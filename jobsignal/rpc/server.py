@@ -44,6 +44,8 @@ from jobsignal.rpc.session import Sessions, SessionSettings
 from jobsignal.status import SourceStatus
 
 if TYPE_CHECKING:
+    from grpclib.protocol import H2Protocol
+
     from jobsignal.rpc.tls import ReloadingTls, TlsFiles
     from jobsignal.rpc.tls_connections import TlsServing
 
@@ -126,6 +128,17 @@ GRPCLIB_CONFIG = Configuration(
 )
 
 SOURCE_HEALTH_NAME = "jobsignal.KubernetesSync"
+
+
+def _observed_in_tls(
+    server: JobsignalServer, tls: TlsServing
+) -> Callable[[H2Protocol], asyncio.BaseProtocol]:
+    """Each connection's protocol: grpclib's, observed, inside TLS."""
+
+    def wrap(protocol: H2Protocol) -> asyncio.BaseProtocol:
+        return tls.wrap(server.observe(protocol))
+
+    return wrap
 
 
 def tls_serving(
@@ -241,7 +254,9 @@ async def run_grpc_server(
             server,
             [(settings.host, settings.port), *settings.more_addresses],
             backlog=settings.backlog,
-            wrap=None if tls is None else tls_serving(tls, settings, connections).wrap,
+            wrap=server.observe
+            if tls is None
+            else _observed_in_tls(server, tls_serving(tls, settings, connections)),
         )
         addresses = [
             (str(name[0]), int(name[1]))

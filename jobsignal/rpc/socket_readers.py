@@ -9,7 +9,7 @@ descriptor; when it is readable, the task runs the read callback of every
 socket that is ready, once each, then lets the asyncio loop run what those
 callbacks scheduled, as trio-asyncio's task does after each callback. A
 connection's reader is then an asyncio handle and a kernel registration
-(docs/architecture.md section 8, "Lean per-connection state").
+(docs/architecture.md section 8, "One reader for every socket").
 
 Level-triggered epoll reports a socket again while it holds unread bytes, so
 one peer sending without pause gets one read per round, like every other
@@ -19,8 +19,9 @@ ready socket, and cannot starve them. A callback's exception is reported by
 The server opens its own loop (`rpc.server`), so every reader of that loop
 is served here: the listening sockets and each connection. Writers (a
 socket whose send buffer is full) stay with trio-asyncio: they are rare and
-short-lived. The trio-asyncio internals used are named in `install`, and
-tests/rpc/test_socket_readers.py checks they are still there.
+short-lived. The trio-asyncio and asyncio internals this takes over or uses
+are functions of `rpc._grpclib` (the one module that reaches into
+dependencies), and tests/rpc/test_socket_readers.py checks they are still there.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+import trio_asyncio
+
+from jobsignal.rpc import _grpclib
 
 # epoll is Linux's; elsewhere the server leaves its readers to trio-asyncio.
 AVAILABLE = hasattr(select, "epoll")
@@ -55,13 +59,11 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-class _SharedReader(asyncio.Handle):
-    """A socket's read callback; cancelling it (asyncio's `_remove_reader`, or a
+class _SharedReader(_grpclib.ReaderHandle):
+    """A socket's read callback; cancelling it (asyncio's `remove_reader`, or a
     new reader for the same descriptor) takes the socket out of the epoll set."""
 
-    # `_scope`: trio-asyncio's `_cancel_fds` reads it off every reader at loop
-    # close, and cancels the trio scope it finds there; this one has none.
-    __slots__ = ("_fd", "_readers", "_scope")
+    __slots__ = ("_fd", "_readers")
 
     def __init__(
         self,
@@ -74,7 +76,6 @@ class _SharedReader(asyncio.Handle):
         super().__init__(callback, args, loop)
         self._readers = readers
         self._fd = fd
-        self._scope = None
 
     def cancel(self) -> None:
         super().cancel()
@@ -82,10 +83,10 @@ class _SharedReader(asyncio.Handle):
 
 
 class SharedReaders:
-    """asyncio's `_add_reader` for one trio-asyncio loop, over one epoll set."""
+    """The readers of one trio-asyncio loop, over one epoll set."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop: Any = loop
+    def __init__(self, loop: trio_asyncio.TrioEventLoop) -> None:
+        self._loop = loop
         self._epoll = select.epoll()
         self._readers: dict[int, _SharedReader] = {}
 
@@ -95,21 +96,20 @@ class SharedReaders:
     def install(self) -> None:
         """Serve the loop's readers from here while `run` runs (install before the
         loop's first reader, so none is left with trio-asyncio)."""
-        loop = self._loop
         # What `add_reader` and every transport call; the rest of trio-asyncio's
-        # reader bookkeeping (`_selector`, `_remove_reader`) is used as it is.
-        loop._add_reader = self.add_reader
+        # reader bookkeeping (its map of readers, `remove_reader`) is used as it is.
+        _grpclib.take_over_readers(self._loop, self.add_reader)
 
-    def add_reader(self, fileobj: int | Any, callback: Callable[..., object], *args: Any) -> Any:
+    def add_reader(
+        self, fileobj: int | Any, callback: Callable[..., object], *args: Any
+    ) -> asyncio.Handle:
         loop = self._loop
         if self._epoll.closed:  # `run` has ended: trio-asyncio's own way
-            return type(loop)._add_reader(loop, fileobj, callback, *args)
-        loop._check_closed()
+            return _grpclib.add_reader_with_trio_asyncio(loop, fileobj, callback, *args)
+        _grpclib.check_loop_open(loop)
         fd = _fd_of(fileobj)
         reader = _SharedReader(callback, args, loop, self, fd)
-        # The loop's selector is trio-asyncio's map of readers and writers, which
-        # `_remove_reader` and `_ensure_fd_no_transport` consult.
-        replaced = loop._set_read_handle(fd, reader)
+        replaced = _grpclib.set_read_handle(loop, fd, reader)
         if replaced is not None:
             replaced.cancel()
         self._readers[fd] = reader
@@ -142,7 +142,7 @@ class SharedReaders:
                 for fd, _events in self._epoll.poll(0, MAX_READY):
                     reader = self._readers.get(fd)
                     if reader is not None and not reader.cancelled():
-                        reader._run()
+                        _grpclib.run_handle(reader)
                 await self._loop.synchronize()
         finally:
             self._epoll.close()
@@ -154,8 +154,8 @@ class SharedReaders:
             del self._readers[fd]
             if reader.cancelled() or loop.is_closed() or not _is_open(fd):
                 continue
-            # Replaces (and so cancels) this reader in the loop's selector map.
+            # Replaces (and so cancels) this reader in the loop's map of readers.
             # trio-asyncio starts its task in the loop's nursery, if still open.
-            handle: Any = reader  # asyncio.Handle's own fields, not in its stubs
+            callback, args = _grpclib.callback_of(reader)
             with contextlib.suppress(RuntimeError):
-                type(loop)._add_reader(loop, fd, handle._callback, *handle._args)
+                _grpclib.add_reader_with_trio_asyncio(loop, fd, callback, *args)

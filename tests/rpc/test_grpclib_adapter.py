@@ -18,7 +18,6 @@ import pytest
 import trio
 import trio_asyncio
 from grpclib.config import Configuration
-from h2.config import H2Configuration
 from h2.connection import ConnectionInputs, H2Connection
 from h2.events import (
     DataReceived,
@@ -38,6 +37,7 @@ import jobsignal.rpc  # noqa: F401  (importing jobsignal.rpc installs the adapte
 from jobsignal.rpc import _grpclib
 from tests.support.grpc_server import open_jobsignal_server
 from tests.support.grpcio import GrpcioClients, GrpcioStream
+from tests.support.h2_client import h2_pair
 from tests.support.threads import in_thread
 from tests.support.waiting import wait_until
 
@@ -125,18 +125,6 @@ async def test_every_grpclib_internal_the_adapter_uses_exists() -> None:
 
 
 # -- the advertised stream limit ---------------------------------------------------------------
-
-
-def h2_pair() -> tuple[H2Connection, H2Connection]:
-    """A server and a client h2 connection that have exchanged prefaces and SETTINGS."""
-    server = H2Connection(H2Configuration(client_side=False, header_encoding="ascii"))
-    client = H2Connection(H2Configuration(client_side=True, header_encoding="ascii"))
-    client.initiate_connection()
-    server.initiate_connection()
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
-    return server, client
 
 
 def test_advertised_stream_limit_survives_the_acknowledgement() -> None:
@@ -346,20 +334,17 @@ def h2_state(server: H2Connection, stream_id: int) -> tuple[object, ...]:
 @pytest.mark.parametrize("view", [False, True], ids=["bytes", "memoryview"])
 def test_send_now_leaves_h2_exactly_as_its_own_send_data(size: int, view: bool) -> None:
     """send_now frames DATA itself, not through hyperframe; the bytes on the wire,
-    both flow-control windows, both state machines and the frames-sent hook agree
-    with h2's own send_data, frame by frame, and the peer reads the message."""
+    both flow-control windows and both state machines agree with h2's own
+    send_data, frame by frame, and the peer reads the message."""
     (fast, fast_client), (plain, plain_client) = h2_pair(), h2_pair()
     for server, client in ((fast, fast_client), (plain, plain_client)):
         responding(server, client)
     message = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
-    noted: list[int] = []
-    _grpclib.on_frames_sent(fast, lambda: noted.append(1))
     data = memoryview(message) if view else message
     assert _grpclib.send_now(server_stream_on(fast, 1), data, whole=True) == size
     frame_size = plain.max_outbound_frame_size
     for start in range(0, size, frame_size):
         plain.send_data(1, message[start : start + frame_size])
-    assert len(noted) == -(-size // frame_size)  # one per DATA frame
     assert h2_state(fast, 1) == h2_state(plain, 1)
     written = fast.data_to_send()
     assert written == plain.data_to_send()
@@ -458,22 +443,20 @@ def grpc_framed(message: bytes) -> bytes:
 
 @pytest.mark.parametrize("size", [0, 1, 1_000, 16_384 - 5])
 def test_direct_sender_leaves_h2_exactly_as_its_own_send_data(size: int) -> None:
-    """The frame DirectSender writes, both windows, both state machines and the
-    frames-sent hook agree with h2's own send_data of the gRPC-framed message,
+    """The frame DirectSender writes, both windows and both state machines agree
+    with h2's own send_data of the gRPC-framed message,
     and the peer reads the message."""
     (fast, fast_client), (plain, plain_client) = h2_pair(), h2_pair()
     for server, client in ((fast, fast_client), (plain, plain_client)):
         responding(server, client)
         server.data_to_send()
     message = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
-    noted: list[int] = []
-    _grpclib.on_frames_sent(fast, lambda: noted.append(1))
     sender, connection, transport = direct_sender_on(fast)
     frame = sender.frame_now(message)
     assert frame is not None
     sender.write(frame, at_once=True)
     plain.send_data(1, grpc_framed(message))
-    assert noted == [1] and connection.last_data_sent is not None
+    assert connection.last_data_sent is not None
     assert h2_state(fast, 1) == h2_state(plain, 1)
     assert transport.writes == [plain.data_to_send()]  # straight to the transport
     received = fast_client.receive_data(transport.writes[0])

@@ -219,3 +219,18 @@ async def test_readers_go_back_to_trio_asyncio_when_the_task_ends_first() -> Non
             assert sorted(got) == [b"added later", b"still read"]
             loop.remove_reader(ours)
             loop.remove_reader(later)
+
+
+def test_every_trio_asyncio_and_asyncio_internal_the_readers_use_exists() -> None:
+    """A trio-asyncio or Python upgrade that renames one of these fails here, by name
+    (rpc._grpclib's functions for the shared readers use each of them)."""
+    import inspect
+
+    loop_class = trio_asyncio.TrioEventLoop
+    for name in ["_add_reader", "_set_read_handle", "_check_closed", "_cancel_fds"]:
+        assert callable(getattr(loop_class, name, None)), f"TrioEventLoop.{name}"
+    # At close trio-asyncio cancels the scope it finds in each reader's `_scope`.
+    assert "_scope" in inspect.getsource(loop_class._cancel_fds)
+    assert callable(getattr(asyncio.Handle, "_run", None)), "asyncio.Handle._run"
+    for name in ["_callback", "_args"]:
+        assert name in asyncio.Handle.__slots__, f"asyncio.Handle.{name}"

@@ -131,7 +131,7 @@ async def open_jobsignal_server(
 def count_writes(connections: ConnectionTable) -> list[int]:
     """From now on, the size of every write to the server's one connection's socket."""
     (protocol,) = connections.protocols()
-    transport = _grpclib.transport_of(protocol)
+    transport = protocol.socket_transport
     writes: list[int] = []
     write = transport.write
 

@@ -21,6 +21,23 @@ LOOPBACK = "127.0.0.1"
 OTHER_LOOPBACK = "127.0.0.2"
 
 
+def h2_pair() -> tuple[h2.connection.H2Connection, h2.connection.H2Connection]:
+    """A server and a client h2 connection, in memory, that have exchanged prefaces
+    and SETTINGS."""
+    server = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=False, header_encoding="ascii")
+    )
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding="ascii")
+    )
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    return server, client
+
+
 def grpc_frame(payload: bytes, *, compressed: bool = False, length: int | None = None) -> bytes:
     """The gRPC length-prefixed message framing."""
     size = len(payload) if length is None else length
