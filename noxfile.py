@@ -240,6 +240,8 @@ def bench(session: nox.Session) -> None:
 # within CI's 90 minutes; a newcomer's run leaves them out, to stay short.
 
 LOWEST_CONSTRAINTS = ROOT / "constraints" / "lowest.txt"
+# What a trio program that embeds jobsignal may already depend on (issue 36).
+EMBEDDERS_NEIGHBOURS = ["trio-websocket", "hypercorn[trio]", "anyio", "httpx"]
 if os.environ.get("CI", "").lower() not in ("", "0", "false"):
     nox.options.sessions = [*nox.options.sessions, "tests_lowest", "tests_newest"]
 
@@ -253,6 +255,11 @@ def tests_lowest(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS[-1])
 def tests_newest(session: nox.Session) -> None:
-    """The suite on the newest releases the ranges admit, newest Python."""
-    session.install("--upgrade", "--upgrade-strategy", "eager", "-e", ".[test]")
+    """The suite on the newest releases the ranges admit, newest Python, beside the
+    newest releases of trio libraries an embedding program may already have
+    (EMBEDDERS_NEIGHBOURS): they must resolve together, and pass `pip check`."""
+    session.install(
+        "--upgrade", "--upgrade-strategy", "eager", "-e", ".[test]", *EMBEDDERS_NEIGHBOURS
+    )
+    session.run("python", "-m", "pip", "check")
     _pytest(session)

@@ -34,4 +34,6 @@ async def main(count: int) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main, int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    # Ctrl-C at a checkpoint, never inside asyncio's code (docs/embedding.md).
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    trio.run(main, count, restrict_keyboard_interrupt_to_checkpoints=True)
