@@ -270,6 +270,10 @@ async def open_subscription(options: SubscribeOptions) -> AsyncIterator[AsyncIte
         async with open_subscription(SubscribeOptions("127.0.0.1", 8899, "CCAgent")) as signals:
             async for signal in signals:
                 ...
+
+    Run the program with `trio.run(..., restrict_keyboard_interrupt_to_checkpoints=True)`
+    (or take SIGINT yourself): Ctrl-C raised inside asyncio's code can leave the
+    program hanging (docs/embedding.md).
     """
     try:
         # Close the generator (and its channel) while the loop still runs.
