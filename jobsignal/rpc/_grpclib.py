@@ -306,6 +306,39 @@ def headers_sent(stream: ServerStream) -> bool:
     return bool(stream._send_initial_metadata_done)
 
 
+def queue_headers(stream: ServerStream) -> bool:
+    """Queue a server stream's response headers into h2 without writing them; False
+    when they cannot go now (a paused socket, a closing connection, a stream h2 no
+    longer holds: then grpclib's `send_initial_metadata` waits and decides).
+
+    What grpclib's `send_initial_metadata` does (`:status` 200 and the content
+    type; no metadata: jobsignal sends none, and listens to none of grpclib's
+    events), minus its write: the caller's next flush writes the headers and the
+    DATA queued after them in one write, so a client never sees a stream's
+    headers before its first message (an owed snapshot's first job), and no
+    trio->asyncio hop is spent per stream (docs/architecture.md section 6).
+    """
+    if headers_sent(stream):
+        return True
+    h2_stream = stream._stream
+    connection = h2_stream.connection
+    stream_id = h2_stream.id
+    h2_connection = h2_stream._h2_connection
+    if (
+        stream_id is None
+        or not connection.write_ready.is_set()
+        or connection.is_closing()
+        or stream_id not in h2_connection.streams
+    ):
+        return False
+    h2_connection.send_headers(
+        stream_id, [(":status", "200"), ("content-type", stream._content_type)]
+    )
+    connection.headers_send_process()
+    stream._send_initial_metadata_done = True
+    return True
+
+
 def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = False) -> int:
     """Queue as much of `data` as HTTP/2 lets go without waiting; the bytes queued (0: wait).
     With `whole`, all of `data` or nothing.

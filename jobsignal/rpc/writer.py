@@ -67,12 +67,9 @@ class StreamWriter:
         Raises `SendTimedOut` when what had to wait did not go out within the
         send timeout (only then is a deadline set: none on the usual path).
         """
+        headers_queued = False
         if not _grpclib.headers_sent(self._stream):
-            # Once, through grpclib: then a first batch (a whole snapshot) is sliced too.
-            with trio.move_on_after(self._send_timeout) as waited:
-                await self._loop.run_aio_coroutine(self._stream.send_initial_metadata())
-            if waited.cancelled_caught:
-                raise SendTimedOut
+            headers_queued = await self._queue_headers()
         data = memoryview(frame(frames))
         if self._output.has_waiting:  # never overtake streams waiting their turn
             sent = 0
@@ -82,10 +79,26 @@ class StreamWriter:
             sent = await self._queue_slices(data)
         if sent == len(data):
             return True
+        if headers_queued and not sent:
+            # The first batch waits (a shut window, streams before it): the headers
+            # go at the end of the turn, as grpc-go's would, not with that batch.
+            self._output.schedule_flush()
         deadline = trio.current_time() + self._send_timeout
         if not await self._output.send_in_turn(
             self._stream, data[sent:], deadline=deadline, begun=sent > 0
         ):
+            raise SendTimedOut
+        return False
+
+    async def _queue_headers(self) -> bool:
+        """The response headers, once: queued into h2 to go out in one write with
+        the first batch (True), or, when h2 cannot take them now, sent through
+        grpclib, which waits for the socket (False)."""
+        if _grpclib.queue_headers(self._stream):
+            return True
+        with trio.move_on_after(self._send_timeout) as waited:
+            await self._loop.run_aio_coroutine(self._stream.send_initial_metadata())
+        if waited.cancelled_caught:
             raise SendTimedOut
         return False
 
