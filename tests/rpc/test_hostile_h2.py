@@ -827,7 +827,8 @@ async def test_an_owed_snapshot_leaves_with_the_response_headers_and_up_follows_
     assert sorted(ids[:3]) == sorted(job.job_id for job in snapshot)
     assert ids[3] == live.job_id
     first = next(frames for frames in map(_frames_of, writes) if _on_stream(frames, 3))
-    assert [type(frame) for frame in _on_stream(first, 3)][:2] == [HeadersFrame, DataFrame]
+    kinds = [type(frame).__name__ for frame in _on_stream(first, 3)]
+    assert kinds[:2] == ["HeadersFrame", "DataFrame"], kinds
 
 
 def _frames_of(written: bytes) -> list[Frame]:
