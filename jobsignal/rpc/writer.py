@@ -10,7 +10,10 @@ the loop while other streams wait. Whatever has to wait goes out in turn with
 the connection's other waiting streams (`rpc.output`), with no asyncio hop
 either. `StreamWriter.write_now` is the shortest path: one message sent from
 `publish` itself when HTTP/2 takes all of it at once, so no task is woken
-for it. The HTTP/2 internals all three need are in `rpc._grpclib`.
+for it. A stream's response headers go out in the same write as its first
+batch (`_grpclib.queue_headers`): a client sees no stream before its first
+message, an FdAgent's snapshot. The HTTP/2 internals all of these need are in
+`rpc._grpclib`.
 """
 
 from __future__ import annotations
