@@ -352,7 +352,8 @@ class Runner:
         connections = self.server.connections if self.server else None
         closed = dict(connections.closed_by_server) if connections is not None else {}
         return {
-            "subscribers": len(subscribers),
+            # Streams up, as the Go reference counts them: their snapshot written.
+            "subscribers": sum(1 for s in subscribers if s.up),
             "connections": len(connections) if connections is not None else 0,
             "closed_by_server": closed,
             "published": counters.get("events_published", 0),

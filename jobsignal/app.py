@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -238,12 +237,9 @@ def metric_sources(
     watcher = source if isinstance(source, Watcher) else None
     relay = None if isinstance(source, Watcher) else source
 
-    def subscribers() -> Counter[tuple[str, str]]:
-        return Counter((s.kind.value, s.role) for s in broadcaster.subscribers)
-
     return MetricSources(
         fanout=broadcaster.stats,
-        subscribers_by_kind_and_role=subscribers,
+        subscribers_by_kind_and_role=broadcaster.streams_up,
         in_process_consumers=lambda: len(broadcaster.event_queues),
         registered_ids=lambda: len(registry),
         registrations_expired=lambda: registry.expired_total,

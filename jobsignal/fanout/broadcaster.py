@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -169,6 +170,11 @@ class Broadcaster:
     @property
     def subscribers(self) -> frozenset[Subscriber]:
         return frozenset(self._signal_subscribers | self._list_subscribers)
+
+    def streams_up(self) -> Counter[tuple[str, str]]:
+        """The streams reported up (`Subscriber.up`: their snapshot, if owed one,
+        written), by RPC and role: what `jobsignal_subscribers` shows."""
+        return Counter((s.kind.value, s.role) for s in self.subscribers if s.up)
 
     def _set_of(self, kind: StreamKind) -> set[Subscriber]:
         return self._signal_subscribers if kind is StreamKind.SIGNAL else self._list_subscribers

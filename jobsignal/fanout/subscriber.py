@@ -373,7 +373,7 @@ class BoundedQueue(Generic[P]):
 class Subscriber(BoundedQueue[bytes]):
     """The queue of one gRPC subscription stream: encoded messages."""
 
-    __slots__ = ("client_id", "group", "kind", "role")
+    __slots__ = ("client_id", "group", "kind", "role", "up")
 
     def __init__(
         self,
@@ -393,6 +393,9 @@ class Subscriber(BoundedQueue[bytes]):
         # What it shares its writes with (its connection; None: nothing), so a
         # fan-out serves the subscribers of one group together (fanout/pacing.py).
         self.group = group
+        # Reported up (`jobsignal_subscribers`): set by the stream's session once
+        # the snapshot it was owed, if any, is written (rpc/session.py).
+        self.up = False
 
 
 #: What an in-process event costs a queue beyond its rank table: the other

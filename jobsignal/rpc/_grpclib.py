@@ -281,6 +281,39 @@ def headers_sent(stream: ServerStream) -> bool:
     return bool(stream._send_initial_metadata_done)
 
 
+def queue_headers(stream: ServerStream) -> bool:
+    """Queue a server stream's response headers into h2 without writing them; False
+    when they cannot go now (a paused socket, a closing connection, a stream h2 no
+    longer holds: then grpclib's `send_initial_metadata` waits and decides).
+
+    What grpclib's `send_initial_metadata` does (`:status` 200 and the content
+    type; no metadata: jobsignal sends none, and listens to none of grpclib's
+    events), minus its write: the caller's next flush writes the headers and the
+    DATA queued after them in one write, so a client never sees a stream's
+    headers before its first message (an owed snapshot's first job), and no
+    trio->asyncio hop is spent per stream (docs/architecture.md section 6).
+    """
+    if headers_sent(stream):
+        return True
+    h2_stream = stream._stream
+    connection = h2_stream.connection
+    stream_id = h2_stream.id
+    h2_connection = h2_stream._h2_connection
+    if (
+        stream_id is None
+        or not connection.write_ready.is_set()
+        or connection.is_closing()
+        or stream_id not in h2_connection.streams
+    ):
+        return False
+    h2_connection.send_headers(
+        stream_id, [(":status", "200"), ("content-type", stream._content_type)]
+    )
+    connection.headers_send_process()
+    stream._send_initial_metadata_done = True
+    return True
+
+
 def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = False) -> int:
     """Queue as much of `data` as HTTP/2 lets go without waiting; the bytes queued (0: wait).
     With `whole`, all of `data` or nothing.
@@ -314,6 +347,8 @@ def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = Fa
     try:
         if size <= frame_size:  # the usual case: one frame
             _send_data_frame(h2_connection, state, data if size == len(data) else data[:size])
+        elif size >= WRITE_PAST_H2_BYTES:
+            _write_data_frames(stream, h2_connection, state, memoryview(data)[:size], frame_size)
         else:
             for start in range(0, size, frame_size):
                 _send_data_frame(h2_connection, state, data[start : min(size, start + frame_size)])
@@ -321,6 +356,37 @@ def send_now(stream: ServerStream, data: bytes | memoryview, *, whole: bool = Fa
         return 0
     connection.data_send_process()
     return size
+
+
+# DATA of at least this many bytes at once goes to the transport as views of the
+# caller's bytes (`_write_data_frames`), not through h2's output buffer.
+WRITE_PAST_H2_BYTES = 64 * 1024
+
+
+def _write_data_frames(
+    stream: ServerStream,
+    h2_connection: H2Connection,
+    h2_stream: H2Stream,
+    data: memoryview,
+    frame_size: int,
+) -> None:
+    """`data` as DATA frames (the caller checked the windows), written now, after
+    whatever h2 holds already, as a list of frame headers and views of `data`.
+
+    Through h2's buffer a large rank table was copied twice more per stream
+    (appended to `_data_to_send`, then taken out as bytes): a third of the
+    server's time with 700 KB tables to 1,000 connections (bench/FINDINGS.md).
+    `writelines` hands the views to the socket with one `sendmsg` where asyncio
+    has it (3.12 and later; 3.11 joins them once), and keeps what the socket
+    does not take as views: `data` is immutable bytes (`rpc.writer.frame`).
+    """
+    parts: list[bytes | memoryview] = []
+    for start in range(0, len(data), frame_size):
+        chunk = data[start : start + frame_size]
+        parts += (_data_frame_header(h2_connection, h2_stream, len(chunk)), chunk)
+    protocol_stream = stream._stream
+    protocol_stream.connection.flush()  # what h2 holds goes first
+    protocol_stream._transport.writelines(parts)
 
 
 # The states in which sending DATA leaves h2's state machines as they are (their
@@ -343,17 +409,21 @@ def _send_data_frame(
     windows shrink by the payload, and the frame's bytes go to h2's output
     buffer. `tests/rpc/test_grpclib_adapter.py`
     checks that the bytes and the state agree with h2's own `send_data`."""
+    h2_connection._data_to_send += _data_frame_header(h2_connection, h2_stream, len(data))
+    h2_connection._data_to_send += data
+
+
+def _data_frame_header(h2_connection: H2Connection, h2_stream: H2Stream, size: int) -> bytes:
+    """A DATA frame of `size` payload bytes is sent: h2's machines see SEND_DATA (where
+    it changes them), the windows shrink; its 9-byte frame header."""
     connection_machine = h2_connection.state_machine
     if connection_machine.state is not SENDING_CONNECTION_STATE:
         connection_machine.process_input(ConnectionInputs.SEND_DATA)  # raises unless open
     stream_machine = h2_stream.state_machine
     if stream_machine.state not in SENDING_STREAM_STATES:
         stream_machine.process_input(StreamInputs.SEND_DATA)  # raises once closed
-    size = len(data)
     _account_data_frame(h2_connection, h2_stream, size)
-    header = size.to_bytes(3, "big") + b"\x00\x00" + h2_stream.stream_id.to_bytes(4, "big")
-    h2_connection._data_to_send += header
-    h2_connection._data_to_send += data
+    return size.to_bytes(3, "big") + b"\x00\x00" + h2_stream.stream_id.to_bytes(4, "big")
 
 
 def _account_data_frame(h2_connection: H2Connection, h2_stream: H2Stream, size: int) -> None:

@@ -390,7 +390,11 @@ class Session:
         if self.request.send_now is not None:
             subscriber.deliver_directly(self._deliver_now)
         subscriber.on_wake(self._wake)
-        if subscriber.pending:  # the snapshot it is owed, composed by its task
+        if subscriber.sending_snapshot:  # composed and written by its task, then up
+            self._wake()
+            return
+        subscriber.up = True
+        if subscriber.pending:
             self._wake()
         else:
             subscriber.park()
@@ -444,6 +448,10 @@ class Session:
                     async with self.sessions.snapshots:
                         await subscriber.compose_snapshot()
                         await self._send_queued(until_snapshot_sent=True)
+                    # Up only now, as a ClusterD-style server reports a stream once
+                    # its snapshot is sent; the client saw the response headers with
+                    # the snapshot's first message (`_grpclib.queue_headers`).
+                    subscriber.up = True
                 await self._send_queued(until_snapshot_sent=False)
             subscriber.attach(None)
         except Exception as error:  # freed now; the handler answers INTERNAL and logs it

@@ -183,6 +183,9 @@ class RecordingTransport:
         self.written += data
         self.writes.append(bytes(data))
 
+    def writelines(self, parts: list[bytes | memoryview]) -> None:
+        self.write(b"".join(parts))
+
     def is_closing(self) -> bool:
         return self.closing
 
@@ -349,6 +352,35 @@ def test_send_now_leaves_h2_exactly_as_its_own_send_data(size: int, view: bool) 
     written = fast.data_to_send()
     assert written == plain.data_to_send()
     received = fast_client.receive_data(written)
+    assert b"".join(e.data for e in received if isinstance(e, DataReceived)) == message
+
+
+@pytest.mark.parametrize("size", [_grpclib.WRITE_PAST_H2_BYTES, 200_000])
+def test_large_data_goes_past_h2s_buffer_as_h2_would_have_written_it(size: int) -> None:
+    """DATA of WRITE_PAST_H2_BYTES or more goes to the transport as views, not through
+    h2's buffer: after what h2 held already (a PING here), the same bytes, windows
+    and states as h2's own send_data, and the peer reads the message."""
+    (fast, fast_client), (plain, plain_client) = h2_pair(), h2_pair()
+    for server, client in ((fast, fast_client), (plain, plain_client)):
+        responding(server, client)
+        client.increment_flow_control_window(2**20)
+        client.increment_flow_control_window(2**20, stream_id=1)
+        server.receive_data(client.data_to_send())
+        server.ping(b"12345678")  # held by h2, not written yet
+    transport = RecordingTransport()
+    connection = grpclib.protocol.Connection(fast, cast(Any, transport), config=Configuration())
+    stream: Any = types.SimpleNamespace(
+        _stream=connection.create_stream(stream_id=1), _send_initial_metadata_done=True
+    )
+    message = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    assert _grpclib.send_now(stream, memoryview(message)) == size
+    assert fast.data_to_send() == b""  # nothing left in h2's buffer
+    frame_size = plain.max_outbound_frame_size
+    for start in range(0, size, frame_size):
+        plain.send_data(1, message[start : start + frame_size])
+    assert bytes(transport.written) == plain.data_to_send()
+    assert h2_state(fast, 1) == h2_state(plain, 1)
+    received = fast_client.receive_data(bytes(transport.written))
     assert b"".join(e.data for e in received if isinstance(e, DataReceived)) == message
 
 

@@ -54,6 +54,7 @@ from tests.support.grpc_server import (
     count_writes,
     local_settings,
     open_jobsignal_server,
+    record_writes,
 )
 from tests.support.grpcio import GrpcioClients, GrpcioStream
 from tests.support.h2_client import OTHER_LOOPBACK, grpc_frame
@@ -796,6 +797,54 @@ async def test_a_large_message_is_written_one_slice_per_loop_turn() -> None:
         assert WRITE_SLICE <= 512 * 1024
         assert len(writes) >= 4, writes
         assert max(writes) < size // 2, writes
+
+
+async def test_an_owed_snapshot_leaves_with_the_response_headers_and_up_follows_it() -> None:
+    """An FdAgent's response HEADERS leave in the same write as its snapshot's first
+    message (a client that waits for the headers finds the snapshot behind them),
+    a live event published meanwhile follows the snapshot, and the stream is
+    reported up (`jobsignal_subscribers`) only once its snapshot is written."""
+    window = 200  # less than one job's message: the snapshot cannot go at once
+    settings = local_settings(session=SessionSettings(snapshot_roles=frozenset({"FdAgent"})))
+    async with open_jobsignal_server(settings) as server, raw_peer(server.port) as peer:
+        snapshot = [make_job(index) for index in range(3)]
+        server.broadcaster.publish(snapshot)
+        await peer.handshake(initial_window_size=window)
+        client_id = await peer.register(1, "FdAgent")
+        writes = record_writes(server.connections)
+        await peer.subscribe(3, "FdAgent", client_id)
+        await wait_until(lambda: len(server.broadcaster.subscribers) == 1, within=WAIT)
+        await peer.read_until(lambda p: _data_on(p, 3) >= window)
+        await trio.sleep(0.1)  # the stream stays short of its snapshot, so not up
+        assert not server.broadcaster.streams_up()
+        live = make_job(99)
+        server.broadcaster.publish([live])
+        await peer.send(WindowUpdateFrame(3, window_increment=1_000_000))
+        await peer.read_until(lambda p: len(_messages_on(p, 3)) == 4)
+        up = collections.Counter({("SubscribeJobSummarySignal", "FdAgent"): 1})
+        await wait_until(lambda: server.broadcaster.streams_up() == up, within=WAIT)
+    ids = [JobSummarySignal.parse(message).job_id for message in _messages_on(peer, 3)]
+    assert sorted(ids[:3]) == sorted(job.job_id for job in snapshot)
+    assert ids[3] == live.job_id
+    first = next(frames for frames in map(_frames_of, writes) if _on_stream(frames, 3))
+    kinds = [type(frame).__name__ for frame in _on_stream(first, 3)]
+    assert kinds[:2] == ["HeadersFrame", "DataFrame"], kinds
+
+
+def _frames_of(written: bytes) -> list[Frame]:
+    """The whole frames of one write to the socket."""
+    frames = []
+    data = memoryview(written)
+    while len(data) >= 9:
+        frame, length = Frame.parse_frame_header(data[:9])
+        frame.parse_body(data[9 : 9 + length])
+        frames.append(frame)
+        data = data[9 + length :]
+    return frames
+
+
+def _on_stream(frames: list[Frame], stream_id: int) -> list[Frame]:
+    return [frame for frame in frames if frame.stream_id == stream_id]
 
 
 def _messages_on(peer: RawPeer, stream_id: int) -> list[bytes]:

@@ -15,9 +15,15 @@ class Socket:
 
     def __init__(self) -> None:
         self.written = bytearray()
+        self.lists: list[int] = []  # the number of parts of each writelines
 
     def write(self, data: bytes) -> None:
         self.written += data
+
+    def writelines(self, parts: list[bytes]) -> None:
+        self.lists.append(len(parts))
+        for data in parts:
+            self.written += data
 
     def is_closing(self) -> bool:
         return False
@@ -62,6 +68,17 @@ def test_each_write_of_whole_frames_counts_its_data_and_headers_frames() -> None
     assert socket.written == output  # passed on as it is
 
 
+def test_a_list_of_frames_and_views_is_counted_and_passed_on_as_one_list() -> None:
+    output, expected = server_output()
+    transport, socket, counts = counting()
+    view = memoryview(output)
+    parts = [view[start : start + 700] for start in range(0, len(output), 700)]
+    transport.writelines(parts)
+    assert counts == [expected]
+    assert socket.lists == [len(parts)]  # one sendmsg where asyncio has it, no copies
+    assert socket.written == output
+
+
 @pytest.mark.parametrize("piece", [1, 5, 9, 10, 4_000])
 def test_frames_split_across_writes_are_counted_once_each(piece: int) -> None:
     output, expected = server_output()
@@ -79,5 +96,5 @@ def test_writes_without_data_or_headers_count_nothing() -> None:
     ping_ack = b"\x00\x00\x08\x06\x01\x00\x00\x00\x00" + b"12345678"
     transport.write(ping_ack)
     transport.writelines([ping_ack, ping_ack])
-    assert counts == [] and socket.written == ping_ack * 3
+    assert counts == [] and socket.written == ping_ack * 3 and socket.lists == [2]
     assert not transport.is_closing()

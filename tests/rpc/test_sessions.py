@@ -457,3 +457,28 @@ async def test_snapshots_take_turns_and_a_client_that_does_not_read_holds_only_i
         sessions.broadcaster.publish([make_job(7)])  # live events after the snapshots
         await trio.testing.wait_all_tasks_blocked()
         assert len(stuck.sent) == len(waiting.sent) == 4
+
+
+async def test_a_stream_owed_a_snapshot_is_up_once_the_snapshot_is_written(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A stream counts as up (`Broadcaster.streams_up`, what `jobsignal_subscribers`
+    shows) only once the snapshot it is owed is written, however long its client
+    takes to read it; one owed nothing (the cluster was empty) is up at once."""
+    settings = SessionSettings(snapshot_roles=frozenset({ROLE}))
+    key = (StreamKind.SIGNAL.value, ROLE)
+    async with running_sessions(settings) as sessions:
+        broadcaster = sessions.broadcaster
+        opened(sessions, Client(sessions.registry))  # an empty cluster: nothing owed
+        assert broadcaster.streams_up() == {key: 1}
+        broadcaster.publish([make_job(index) for index in range(3)])
+        late = Client(sessions.registry)
+        late.hold = trio.Event()  # its client does not read yet: the write waits
+        opened(sessions, late)
+        await trio.sleep(60)
+        assert len(broadcaster.subscribers) == 2
+        assert broadcaster.streams_up() == {key: 1} and late.sent == []
+        late.hold.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(late.sent) == 3
+        assert broadcaster.streams_up() == {key: 2}

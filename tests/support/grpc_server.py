@@ -9,7 +9,7 @@ grpclib's timers use `time.monotonic()`, so waits are short and bounded.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -130,17 +130,28 @@ async def open_jobsignal_server(
 
 def count_writes(connections: ConnectionTable) -> list[int]:
     """From now on, the size of every write to the server's one connection's socket."""
+    writes: list[int] = []
+    _on_each_write(connections, lambda data: writes.append(len(data)))
+    return writes
+
+
+def record_writes(connections: ConnectionTable) -> list[bytes]:
+    """From now on, the bytes of every write to the server's one connection's socket."""
+    writes: list[bytes] = []
+    _on_each_write(connections, lambda data: writes.append(bytes(data)))
+    return writes
+
+
+def _on_each_write(connections: ConnectionTable, note: Callable[[bytes], None]) -> None:
     (protocol,) = connections.protocols()
     transport = protocol.socket_transport
-    writes: list[int] = []
     write = transport.write
 
-    def counted_write(data: bytes) -> None:
-        writes.append(len(data))
+    def noted_write(data: bytes) -> None:
+        note(data)
         write(data)
 
-    setattr(transport, "write", counted_write)  # noqa: B010  (an instance, not the class)
-    return writes
+    setattr(transport, "write", noted_write)  # noqa: B010  (an instance, not the class)
 
 
 def collect_grpclib_garbage() -> None:
