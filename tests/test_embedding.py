@@ -187,6 +187,10 @@ async def _interrupted_subscriber(port: int, path: str, pause: float) -> tuple[s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": path},
+        # Ctrl-C's default, whatever this run inherited: a suite started in the
+        # background of a non-interactive shell has SIGINT ignored, and a child
+        # that starts so never sees it.
+        preexec_fn=_sigint_default,
     )
     assert process.stdout is not None and process.stderr is not None
     try:
@@ -200,6 +204,12 @@ async def _interrupted_subscriber(port: int, path: str, pause: float) -> tuple[s
         returncode = await process.wait()
     finally:
         process.kill()
-        await process.stdout.aclose()
-        await process.stderr.aclose()
+        with trio.CancelScope(shield=True):  # (closed even when the test timed out)
+            await process.stdout.aclose()
+            await process.stderr.aclose()
+            await process.wait()
     return stderr.decode(), returncode
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
