@@ -236,7 +236,7 @@ def bench(session: nox.Session) -> None:
 # Self-contained: each installs jobsignal with its test extra at one end of
 # pyproject.toml's ranges and runs the suite (posargs: pytest's arguments). In
 # CI's default run (CI=true), so every floor is proven on every submission: each
-# takes about as long as `tests` on one Python (7.5 min on 2 shared cores), well
+# takes about as long as `tests` on one Python (about 4 min on 2 cores), well
 # within CI's 90 minutes; a newcomer's run leaves them out, to stay short.
 
 LOWEST_CONSTRAINTS = ROOT / "constraints" / "lowest.txt"
