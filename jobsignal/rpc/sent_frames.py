@@ -3,10 +3,12 @@
 Two rules need to know when the server sends DATA or HEADERS frames: the
 ping-flood rule forgives a client's PINGs while data flows (`rpc.activity`),
 and the control-frame budget earns the peer credit for the WINDOW_UPDATEs it
-may answer them with (`rpc.guard`). Every frame of a connection leaves through
-one transport: grpclib's own writes, jobsignal's (`rpc.writer`,
-`rpc.output`) and the GOAWAYs of `rpc.connections`. The protocol hands grpclib
-a `FrameCountingTransport` around the socket's transport when the connection
+may answer them with (`rpc.guard`). Every DATA and HEADERS frame of a
+connection leaves through one transport: grpclib's own writes and
+jobsignal's (`rpc.writer`, `rpc.output`). (The maximum-age GOAWAYs of
+`rpc.connections`, neither, go to the socket's transport directly, whole
+frames between whole writes.) The protocol hands grpclib a
+`FrameCountingTransport` around the socket's transport when the connection
 is made; each write is counted from its 9-byte frame headers (the frame
 format of RFC 9113, section 4.1) and then passed on as it is.
 

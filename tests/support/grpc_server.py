@@ -145,13 +145,18 @@ def record_writes(connections: ConnectionTable) -> list[bytes]:
 def _on_each_write(connections: ConnectionTable, note: Callable[[bytes], None]) -> None:
     (protocol,) = connections.protocols()
     transport = protocol.socket_transport
-    write = transport.write
+    write, writelines = transport.write, transport.writelines
 
     def noted_write(data: bytes) -> None:
         note(data)
         write(data)
 
+    def noted_writelines(parts: list[bytes]) -> None:  # (large DATA: one write of views)
+        note(b"".join(parts))
+        writelines(parts)
+
     setattr(transport, "write", noted_write)  # noqa: B010  (an instance, not the class)
+    setattr(transport, "writelines", noted_writelines)  # noqa: B010
 
 
 def collect_grpclib_garbage() -> None:
